@@ -1,0 +1,5 @@
+"""``python -m tessera``: the command line."""
+
+from tessera.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""``tessera.compile`` and the ``CompiledModel`` it returns: the public entry point.
+
+Chooses the mode's path (none / stock / trace_once / piecewise) and runs the first call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera import counters
+from tessera.backend import PiecewiseBackend
+from tessera.compilers import make_compiler
+from tessera.config import CompileConfig
+from tessera.errors import ConfigError
+from tessera.manager import CompilerManager
+from tessera.piece import PieceRecord
+from tessera.split import SplitItem
+from tessera.wrapper import DynamicDims, mark_dynamic_dims, split_callable, trace_once
+
+log = logging.getLogger(__name__)
+
+
+def compile(
+    model: Callable[..., Any],
+    config: CompileConfig | None = None,
+    *,
+    dynamic_dims: DynamicDims | None = None,
+    prefix: str | None = None,
+    **overrides: Any,
+) -> CompiledModel:
+    """Compile ``model`` (an ``nn.Module`` or a function) for fast repeated inference.
+
+    Nothing is traced until the first call; keyword ``overrides`` replace ``config`` fields.
+    """
+    config = (config or CompileConfig()).replace(**overrides) if overrides else (config or CompileConfig())
+    if prefix is not None and (not prefix or "/" in prefix or prefix.startswith(".")):
+        raise ConfigError(f"prefix={prefix!r} must be a plain directory name such as 'backbone'")
+    return CompiledModel(model, config, dynamic_dims, prefix)
+
+
+class CompiledModel:
+    """Same call signature and results as the model; ``pieces`` and ``cache_dir`` tell the rest."""
+
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        config: CompileConfig,
+        dynamic_dims: DynamicDims | None,
+        prefix: str | None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.prefix = prefix
+        self._func, self._bound_to = split_callable(model)
+        self._dynamic_dims = dynamic_dims
+        self._lock = threading.Lock()
+        self._backend: PiecewiseBackend | None = None
+        self._items: list[SplitItem] = []
+        self._cache_dir: Path | None = None
+        self._call: Callable[..., Any] = self._first_call
+        self.marked_dims: list[tuple[str, int]] = []
+        self.first_call_seconds: float | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    @property
+    def pieces(self) -> tuple[PieceRecord, ...]:
+        """One frozen record per piece (empty before the first call and in modes without pieces)."""
+        if self._backend is None:
+            return ()
+        return self._backend.pieces(self._items)
+
+    @property
+    def cache_dir(self) -> Path | None:
+        """Where this model's artifacts live; None when the cache is disabled or not yet used."""
+        return self._cache_dir
+
+    @property
+    def split_graph(self) -> torch.fx.GraphModule | None:
+        """The split module (pieces as submodules), after the first call in piecewise modes."""
+        return self._backend.split_gm if self._backend is not None else None
+
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._call != self._first_call:  # another thread compiled while we waited
+                return self._call(*args, **kwargs)
+            start = time.perf_counter()
+            output, self._call = self._compile(args, kwargs)
+            self.first_call_seconds = time.perf_counter() - start
+            log.info(
+                "%s compiled (%s, %s) in %.2fs",
+                self.prefix or self._func.__qualname__,
+                self.config.mode,
+                self.config.backend,
+                self.first_call_seconds,
+            )
+            return output
+
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+        mode = self.config.mode
+        if mode == "none":
+            return self.model(*args, **kwargs), self.model
+        self.marked_dims = mark_dynamic_dims(self._func, self._bound_to, args, kwargs, self._dynamic_dims)
+        if mode == "stock":
+            compiled = torch.compile(self.model, backend=_counting_backend(self.config.backend))
+            return compiled(*args, **kwargs), compiled
+        compiler = make_compiler(self.config.backend)
+        manager = CompilerManager(compiler, self.config, store=None)
+        self._backend = PiecewiseBackend(self.config, manager, on_graph=self._on_graph)
+        return trace_once(self._func, self._bound_to, self._backend, args, kwargs)
+
+    def _on_graph(self, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> None:
+        self._items = list(items)
+
+
+def _counting_backend(name: str) -> Callable[..., Any]:
+    if name not in ("inductor", "eager"):
+        raise ConfigError(
+            f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
+            "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
+        )
+    inner = torch._dynamo.lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        counters.bump("graphs_traced")
+        counters.bump("inductor_compiles" if name == "inductor" else "eager_compiles")
+        return inner(gm, example_inputs)
+
+    return backend

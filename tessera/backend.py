@@ -1,0 +1,205 @@
+"""The Dynamo backend of ``piecewise`` and ``trace_once``: split, propagate, build piece runners.
+
+Data flow: FX graph → split module → fake propagation (records per piece) → runners swapped in.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
+
+from tessera import counters
+from tessera.compilers import Size, size_label
+from tessera.config import CompileConfig
+from tessera.manager import CompilerManager
+from tessera.piece import PieceRecord, PieceRunner, find_size_source, specialize_inputs
+from tessera.split import SplitItem, default_splitting_ops, split_graph
+
+log = logging.getLogger(__name__)
+
+
+class PiecewiseBackend:
+    """Called by Dynamo once with the traced graph; returns the callable that replaces it."""
+
+    def __init__(
+        self,
+        config: CompileConfig,
+        manager: CompilerManager,
+        on_graph: Callable[[torch.fx.GraphModule, Sequence[SplitItem]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        self.on_graph = on_graph
+        self.records: dict[str, PieceRecord] = {}
+        self.runners: dict[str, PieceRunner] = {}
+        self.split_gm: torch.fx.GraphModule | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        counters.bump("graphs_traced")
+        if self.config.mode == "trace_once":
+            specs: Sequence[Any] = ()
+        elif self.config.splitting_ops is None:
+            specs = default_splitting_ops()
+        else:
+            specs = self.config.splitting_ops
+        split_gm, items = split_graph(gm, specs)
+        self.split_gm = split_gm
+        counters.bump("pieces", len(items))
+        counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
+        log.info(
+            "traced graph of %d nodes split into %d piece(s) (%d compiled)",
+            len(gm.graph.nodes),
+            len(items),
+            sum(not item.is_splitting for item in items),
+        )
+        if self.on_graph is not None:
+            self.on_graph(split_gm, items)
+
+        fake_args = _fake_inputs(gm, example_inputs)
+        fake_mode = next(
+            (a.fake_mode for a in fake_args if isinstance(a, FakeTensor)), None
+        ) or detect_fake_mode(example_inputs)
+        if fake_mode is not None and fake_mode.shape_env is not None:
+            _lift_small_hints(fake_mode.shape_env)
+        propagator = _Propagator(split_gm, self, items, list(example_inputs))
+        start = time.perf_counter()
+        with fake_mode if fake_mode is not None else _nullcontext():
+            propagator.run(*fake_args)
+        log.info("compiled %d piece(s) in %.2fs", len(self.runners), time.perf_counter() - start)
+        # forward, not __call__: skips nn.Module call machinery on every step.
+        return split_gm.forward
+
+    def build(
+        self,
+        item: SplitItem,
+        fake_args: Sequence[Any],
+        real_args: Sequence[Any | None],
+        returns_tuple: bool,
+    ) -> PieceRunner:
+        """Compile (or load) every artifact of one non-splitting piece and make its runner."""
+        config = self.config
+        source = find_size_source(fake_args)
+        sizes = config.compile_sizes if source is not None else ()
+        ranges = config.ranges if source is not None else ()
+        artifacts: dict[Size, Callable[..., Any]] = {}
+        seconds = []
+        general = self.manager.get(item.graph, lambda: fake_args, None, item.index)
+        artifacts[None] = general.fn
+        seconds.append((size_label(None), general.seconds))
+        for size in sizes:
+            outcome = self.manager.get(
+                item.graph,
+                functools.partial(specialize_inputs, item.name, fake_args, real_args, size),
+                size,
+                item.index,
+            )
+            artifacts[size] = outcome.fn
+            seconds.append((size_label(size), outcome.seconds))
+        for size_range in ranges:
+            outcome = self.manager.get(item.graph, lambda: fake_args, size_range, item.index)
+            artifacts[size_range] = outcome.fn
+            seconds.append((size_label(size_range), outcome.seconds))
+
+        runner = PieceRunner(item.name, artifacts, source, config.max_size)
+        self.runners[item.name] = runner
+        self.records[item.name] = PieceRecord(
+            name=item.name,
+            index=item.index,
+            is_splitting=False,
+            sym_positions=tuple(i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)),
+            returns_tuple=returns_tuple,
+            size_source=source,
+            sizes=tuple(sizes),
+            ranges=tuple(ranges),
+            compile_seconds=tuple(seconds),
+        )
+        return runner
+
+    def pieces(self, items: Sequence[SplitItem]) -> tuple[PieceRecord, ...]:
+        out = []
+        for item in items:
+            record = self.records.get(item.name)
+            if record is None:
+                record = PieceRecord(item.name, item.index, item.is_splitting)
+            elif item.name in self.runners:
+                record = _with_served(record, self.runners[item.name])
+            out.append(record)
+        return tuple(out)
+
+
+def _with_served(record: PieceRecord, runner: PieceRunner) -> PieceRecord:
+    import dataclasses
+
+    return dataclasses.replace(record, served=runner.served())
+
+
+class _Propagator(torch.fx.Interpreter):
+    """Runs the split module on fake tensors; each non-splitting piece is compiled on the way."""
+
+    def __init__(
+        self,
+        split_gm: torch.fx.GraphModule,
+        backend: PiecewiseBackend,
+        items: Sequence[SplitItem],
+        real_inputs: list[Any],
+    ) -> None:
+        super().__init__(split_gm)
+        self.backend = backend
+        self.items = {item.name: item for item in items}
+        placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+        self.real_of = {node: real for node, real in zip(placeholders, real_inputs, strict=True)}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        item = self.items.get(n.target) if n.op == "call_module" else None  # type: ignore[arg-type]
+        if item is not None and not item.is_splitting:
+            fake_args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in n.args]
+            real_args = [self.real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in n.args]
+            output = next(iter(reversed(item.graph.graph.nodes)))
+            returns_tuple = isinstance(output.args[0], (tuple, list))
+            runner = self.backend.build(item, fake_args, real_args, returns_tuple)
+            # The split module's code calls self.submod_N(...): an instance attribute shadows the
+            # submodule, so calls go straight to the runner while the GraphModule stays printable.
+            self.module.__dict__[item.name] = runner
+        return result
+
+
+def _lift_small_hints(shape_env: Any) -> None:
+    # A first call of size 0 or 1 leaves that value as the symbol's hint, and Inductor (torch
+    # <= 2.13) then bakes size-1 layouts into the *general* artifact: wrong results at other sizes.
+    # Dynamo traced size-obliviously (wrapper.py), so hint the value it would have seen at size 2.
+    # Remove when Inductor stops specializing on hints of 0/1 for oblivious symbols.
+    # torch 2.13 renamed var_to_val to backed_var_to_val (the old name warns).
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    if hints is None:
+        hints = shape_env.var_to_val
+    for symbol, hint in list(hints.items()):
+        if hint < 2:
+            hints[symbol] = sympy.Integer(2)
+
+
+def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [n.meta.get("example_value") for n in placeholders]
+    if all(v is not None for v in values):
+        return values
+    fake_mode = detect_fake_mode(example_inputs)
+    assert fake_mode is not None, "no fake mode found for the traced graph's inputs"
+    return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the package (``benchmarks/*.py`` and ``tessera bench`` run them)."""

@@ -1,0 +1,66 @@
+"""Process-wide work counters: how many traces, pieces, compilations and cache hits happened.
+
+Tests assert on them (``counters.expect``); the CLI and benchmarks print them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+NAMES = (
+    "graphs_traced",
+    "pieces",
+    "compiled_pieces",
+    "backend_compilations",
+    "cache_hits",
+    "cache_misses",
+    "inductor_compiles",
+    "eager_compiles",
+    "artifacts_saved",
+    "artifacts_loaded",
+    "cudagraphs_captured",
+)
+
+_lock = threading.Lock()
+_values: dict[str, int] = dict.fromkeys(NAMES, 0)
+
+
+def bump(name: str, by: int = 1) -> None:
+    """Add ``by`` to counter ``name`` (an internal invariant: the name must be known)."""
+    assert name in _values, f"unknown counter {name!r}"
+    with _lock:
+        _values[name] += by
+
+
+def snapshot() -> dict[str, int]:
+    """A copy of every counter's current value."""
+    with _lock:
+        return dict(_values)
+
+
+def reset() -> None:
+    """Set every counter back to zero."""
+    with _lock:
+        for name in _values:
+            _values[name] = 0
+
+
+@contextlib.contextmanager
+def expect(**deltas: int) -> Iterator[None]:
+    """Check that the body changes the named counters by exactly ``deltas``.
+
+    >>> with expect(graphs_traced=1, pieces=5):
+    ...     compiled(x)
+    """
+    unknown = sorted(set(deltas) - set(NAMES))
+    if unknown:
+        raise ValueError(f"unknown counter name(s) {unknown}; known: {list(NAMES)}")
+    before = snapshot()
+    yield
+    after = snapshot()
+    got = {name: after[name] - before[name] for name in deltas}
+    if got != deltas:
+        wrong = {n: f"expected {deltas[n]}, got {got[n]}" for n in deltas if got[n] != deltas[n]}
+        raise AssertionError(f"counter deltas differ: {wrong}")

@@ -1,0 +1,103 @@
+"""``tessera demo``: compile the toy Llama, prove it matches eager, and show what it costs.
+
+Prints pieces, per-piece compile time, per-call latency next to eager and stock torch.compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+import tessera
+from tessera.models import toy_llama
+from tessera.timing import per_call_seconds
+
+COMPILE_SIZES = [1, 16]
+CHECK_SIZES = [1, 5, 16, 23, 64]  # 5, 23 and 64 are not compile sizes
+TIMED_SIZES = [1, 16, 64]
+
+
+@contextlib.contextmanager
+def spinner(label: str) -> Iterator[None]:
+    """A one-line progress indicator with elapsed seconds (plain dots when not a terminal)."""
+    done = threading.Event()
+    start = time.perf_counter()
+    tty = sys.stdout.isatty()
+
+    def spin() -> None:
+        for frame in itertools.cycle("|/-\\"):
+            if done.wait(0.2 if tty else 5.0):
+                return
+            if tty:
+                print(f"\r  {frame} {label} {time.perf_counter() - start:5.1f}s", end="", flush=True)
+            else:
+                print(".", end="", flush=True)
+
+    print(f"  {label}", end="" if not tty else "\n", flush=True)
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        prefix = "\r" if tty else "\n"
+        print(f"{prefix}  done: {label} in {time.perf_counter() - start:.1f}s" + " " * 10, flush=True)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.3f} ms"
+
+
+def run_demo(layers: int = 4, hidden: int = 256, backend: str = "inductor") -> int:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model = toy_llama.build(
+        num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=8, num_kv_heads=4
+    )
+    print(f"tessera demo: toy Llama, {layers} layers, width {hidden}, compiler '{backend}'")
+    compiled = tessera.compile(model, backend=backend, compile_sizes=COMPILE_SIZES, prefix="demo")
+    ids, pos = toy_llama.example_inputs(8)
+    with spinner(f"tracing and compiling (compile sizes {COMPILE_SIZES} + general)"), torch.no_grad():
+        compiled(ids, pos)
+
+    print("\npieces:")
+    print(f"  {'piece':<10} {'kind':<10} artifacts (compile seconds)")
+    for piece in compiled.pieces:
+        kind = "split" if piece.is_splitting else "compiled"
+        timings = piece.compile_seconds
+        detail = ", ".join(f"{label} {sec:.2f}s" for label, sec in timings) or "runs eagerly"
+        print(f"  {piece.name:<10} {kind:<10} {detail}")
+
+    print("\nchecking against eager:", end=" ")
+    with torch.no_grad():
+        for n in CHECK_SIZES:
+            ids, pos = toy_llama.example_inputs(n)
+            torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+            print(f"{n}{'*' if n in COMPILE_SIZES else ''} ok", end="  ", flush=True)
+    print("(* = compile size)")
+
+    stock = torch.compile(model, backend=backend, dynamic=True)
+    with spinner("compiling stock torch.compile for comparison"), torch.no_grad():
+        stock(*toy_llama.example_inputs(8))
+
+    print(
+        f"\nper-call latency (median):\n  {'tokens':>6} {'eager':>11} {'stock':>11} {'tessera':>11}  speed-up"
+    )
+    for n in TIMED_SIZES:
+        args = toy_llama.example_inputs(n)
+        eager_s = per_call_seconds(model, *args)
+        stock_s = per_call_seconds(stock, *args)
+        ours_s = per_call_seconds(compiled, *args)
+        print(f"  {n:>6} {_ms(eager_s)} {_ms(stock_s)} {_ms(ours_s)}  {eager_s / ours_s:5.2f}x vs eager")
+
+    where = compiled.cache_dir
+    print(f"\nartifacts: {where if where is not None else 'kept in memory (cache disabled)'}")
+    counts = tessera.counters.snapshot()
+    print("counters: " + ", ".join(f"{k}={v}" for k, v in counts.items() if v))
+    return 0

@@ -1,0 +1,30 @@
+"""Error types raised by tessera.
+
+Every error a user can hit is a ``TesseraError``; the subclasses say which stage refused.
+"""
+
+from __future__ import annotations
+
+
+class TesseraError(Exception):
+    """Base class of every error tessera raises on purpose."""
+
+
+class ConfigError(TesseraError, ValueError):
+    """A ``CompileConfig`` field (or ``TESSERA_*`` variable) has a value tessera cannot use."""
+
+
+class UnsupportedModelError(TesseraError):
+    """The model cannot be traced as one graph (graph break, data-dependent branch, ...)."""
+
+
+class SizeNotCompiledError(TesseraError):
+    """A call arrived with a dynamic size that no compiled artifact covers."""
+
+
+class CompilerError(TesseraError):
+    """A compiler adaptor failed, or a custom ``module:Class`` compiler could not be loaded."""
+
+
+class CacheError(TesseraError):
+    """The persistent cache could not be used (a problem tessera cannot heal by recompiling)."""

@@ -1,0 +1,197 @@
+"""Piece runners: one compiled piece, its artifacts per size/range, and run-time dispatch.
+
+A runner picks an artifact by the runtime size: exact compile size, then a range, then general.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+
+from tessera.compilers import Size, size_label
+from tessera.config import SizeRange
+from tessera.errors import ConfigError, SizeNotCompiledError
+
+log = logging.getLogger(__name__)
+
+_MEMO_LIMIT = 4096  # distinct runtime sizes whose dispatch decision is remembered per piece
+
+
+@dataclass(frozen=True)
+class SizeSource:
+    """Where a piece reads its runtime size: ``args[arg]``, or ``args[arg].shape[dim]``."""
+
+    arg: int
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    """What tessera decided and did for one piece; ``compiled.pieces`` holds these."""
+
+    name: str
+    index: int
+    is_splitting: bool
+    sym_positions: tuple[int, ...] = ()
+    returns_tuple: bool = False
+    size_source: SizeSource | None = None
+    sizes: tuple[int, ...] = ()
+    ranges: tuple[SizeRange, ...] = ()
+    compile_seconds: tuple[tuple[str, float], ...] = ()
+    served: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def artifacts(self) -> tuple[str, ...]:
+        """Labels of the artifacts this piece holds (``general``, ``size 16``, ``range [1,8]``)."""
+        return tuple(label for label, _ in self.compile_seconds)
+
+
+class _Artifact:
+    __slots__ = ("fn", "label", "served")
+
+    def __init__(self, fn: Callable[..., Any], label: str) -> None:
+        self.fn = fn
+        self.label = label
+        self.served = 0
+
+
+class PieceRunner:
+    """Calls the artifact that covers the runtime size; a size nothing covers is an error."""
+
+    def __init__(
+        self,
+        name: str,
+        artifacts: dict[Size, Callable[..., Any]],
+        size_source: SizeSource | None,
+        max_size: int | None,
+    ) -> None:
+        self.name = name
+        self.max_size = max_size
+        self._source = size_source
+        self._artifacts = {size: _Artifact(fn, size_label(size)) for size, fn in artifacts.items()}
+        self._general = self._artifacts.get(None)
+        self._ranges = sorted(
+            ((s, a) for s, a in self._artifacts.items() if isinstance(s, SizeRange)),
+            key=lambda item: item[0],
+        )
+        self._exact: dict[int, _Artifact] = {s: a for s, a in self._artifacts.items() if isinstance(s, int)}
+        self._memo: dict[int, _Artifact] = dict(self._exact)
+        if size_source is None and self._general is None:
+            raise ConfigError(f"piece {name} has no dynamic size, so it needs a general artifact")
+
+    def __call__(self, *args: Any) -> Any:
+        source = self._source
+        if source is None:
+            artifact = self._general
+        else:
+            value = args[source.arg]
+            size = value if source.dim is None else value.shape[source.dim]
+            artifact = self._memo.get(size)
+            if artifact is None:
+                artifact = self._lookup(size)
+        assert artifact is not None, f"{self.name}: no artifact chosen"
+        artifact.served += 1
+        return artifact.fn(*args)
+
+    def _lookup(self, size: int) -> _Artifact:
+        if size < 0 or (self.max_size is not None and size > self.max_size):
+            raise SizeNotCompiledError(self._uncovered_message(size))
+        artifact = next((a for r, a in self._ranges if size in r), self._general)
+        if artifact is None:
+            raise SizeNotCompiledError(self._uncovered_message(size))
+        if len(self._memo) < _MEMO_LIMIT:
+            self._memo[size] = artifact
+        return artifact
+
+    def _uncovered_message(self, size: int) -> str:
+        labels = ", ".join(a.label for a in self._artifacts.values())
+        return (
+            f"piece {self.name}: runtime size {size} is not covered (max_size={self.max_size}); "
+            f"compiled artifacts: {labels}. Raise max_size or add a compile size/range for it."
+        )
+
+    def artifact_for(self, size: int) -> str:
+        """The label of the artifact that serves ``size`` (raises if none does)."""
+        artifact = self._memo.get(size) or self._lookup(size)
+        return artifact.label
+
+    def served(self) -> tuple[tuple[str, int], ...]:
+        """How many calls each artifact has served so far."""
+        return tuple((a.label, a.served) for a in self._artifacts.values())
+
+
+def find_size_source(example_inputs: Sequence[Any]) -> SizeSource | None:
+    """The first SymInt argument; else the first tensor dim that is symbolic; else None."""
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.SymInt) and not _is_constant(value):
+            return SizeSource(i)
+    for i, value in enumerate(example_inputs):
+        if isinstance(value, torch.Tensor):
+            for dim, extent in enumerate(value.shape):
+                if isinstance(extent, torch.SymInt) and not _is_constant(extent):
+                    return SizeSource(i, dim)
+    return None
+
+
+def _is_constant(value: torch.SymInt) -> bool:
+    return not value.node.expr.free_symbols
+
+
+def free_symbols(example_inputs: Sequence[Any]) -> set[sympy.Symbol]:
+    """Every shape symbol that appears in the inputs (SymInt values, tensor sizes and strides)."""
+    found: set[sympy.Symbol] = set()
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            found |= value.node.expr.free_symbols
+        elif isinstance(value, torch.Tensor):
+            for extent in (*value.shape, *value.stride()):
+                if isinstance(extent, torch.SymInt):
+                    found |= extent.node.expr.free_symbols
+    return found
+
+
+def specialize_inputs(
+    piece: str,
+    example_inputs: Sequence[Any],
+    real_inputs: Sequence[Any | None],
+    size: int,
+) -> list[Any]:
+    """Concrete inputs for compiling ``piece`` at one static ``size``.
+
+    Inputs without symbolic shapes reuse the real tensor Dynamo saw (weights: no copy); the others
+    become zero tensors with the size substituted into every symbolic dim and stride.
+    """
+    symbols = free_symbols(example_inputs)
+    if len(symbols) != 1:
+        raise ConfigError(
+            f"piece {piece}: compile_sizes need exactly one dynamic size, found symbols "
+            f"{sorted(map(str, symbols))}; mark a single dynamic dim with dynamic_dims=..."
+        )
+    (symbol,) = symbols
+
+    def concrete(extent: Any) -> int:
+        if isinstance(extent, torch.SymInt):
+            return int(extent.node.expr.subs(symbol, size))
+        return int(extent)
+
+    out: list[Any] = []
+    for fake, real in zip(example_inputs, real_inputs, strict=True):
+        if isinstance(fake, torch.SymInt):
+            out.append(concrete(fake))
+        elif isinstance(fake, torch.Tensor):
+            dims = (*fake.shape, *fake.stride())
+            if real is not None and not any(isinstance(d, torch.SymInt) for d in dims):
+                out.append(real)
+                continue
+            shape = [concrete(d) for d in fake.shape]
+            stride = [concrete(d) for d in fake.stride()]
+            tensor = torch.empty_strided(shape, stride, dtype=fake.dtype, device=fake.device)
+            out.append(tensor.zero_())
+        else:
+            out.append(fake)
+    return out

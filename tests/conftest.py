@@ -1,0 +1,40 @@
+"""Shared fixtures: a clean Dynamo and counters per test, a private cache root, test ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+
+# silly::attention: a stand-in splitting op with a real and a fake implementation.
+if not hasattr(torch.ops.silly, "attention"):
+    torch.library.define("silly::attention", "(Tensor q, Tensor k, Tensor v) -> Tensor")
+
+    @torch.library.impl("silly::attention", "CompositeExplicitAutograd")
+    def _silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q * 0.5 + k.sin() + v
+
+    @torch.library.register_fake("silly::attention")
+    def _silly_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(q)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(tmp_path, monkeypatch):
+    torch._dynamo.reset()
+    tessera.counters.reset()
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("MODE", "BACKEND", "COMPILE_SIZES", "COMPILE_RANGES", "MAX_SIZE", "DISABLE_CACHE"):
+        monkeypatch.delenv(f"TESSERA_{name}", raising=False)
+    yield
+    torch._dynamo.reset()
+
+
+def silly_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Two calls of silly::attention with compiled work before, between and after."""
+    y = (x @ w).relu()
+    y = torch.ops.silly.attention(y, y, y)
+    y = y * 2 + 1
+    y = torch.ops.silly.attention(y, y, y)
+    return y.sum(-1, keepdim=True) + y

