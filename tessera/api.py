@@ -16,10 +16,10 @@ import torch
 
 from tessera import counters
 from tessera.backend import PiecewiseBackend
+from tessera.cache import cache_root
 from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError
-from tessera.manager import CompilerManager
 from tessera.piece import PieceRecord
 from tessera.split import SplitItem
 from tessera.wrapper import DynamicDims, mark_dynamic_dims, split_callable, trace_once
@@ -113,9 +113,14 @@ class CompiledModel:
             compiled = torch.compile(self.model, backend=_counting_backend(self.config.backend))
             return compiled(*args, **kwargs), compiled
         compiler = make_compiler(self.config.backend)
-        manager = CompilerManager(compiler, self.config, store=None)
-        self._backend = PiecewiseBackend(self.config, manager, on_graph=self._on_graph)
-        return trace_once(self._func, self._bound_to, self._backend, args, kwargs)
+        root = None if self.config.disable_cache else cache_root(self.config.cache_dir)
+        self._backend = PiecewiseBackend(
+            self.config, compiler, root, self.prefix or "model", on_graph=self._on_graph
+        )
+        output, call = trace_once(self._func, self._bound_to, self._backend, args, kwargs)
+        if self._backend.store is not None:
+            self._cache_dir = self._backend.store.path
+        return output, call
 
     def _on_graph(self, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> None:
         self._items = list(items)

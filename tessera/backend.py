@@ -9,6 +9,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import sympy
@@ -18,7 +19,9 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tessera import counters
-from tessera.compilers import Size, size_label
+from tessera.cache import CacheEntry, open_entry
+from tessera.cachekey import collect_factors, graph_signature, traced_sources
+from tessera.compilers import Compiler, Size, size_label
 from tessera.config import CompileConfig
 from tessera.manager import CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, find_size_source, specialize_inputs
@@ -33,12 +36,18 @@ class PiecewiseBackend:
     def __init__(
         self,
         config: CompileConfig,
-        manager: CompilerManager,
+        compiler: Compiler,
+        cache_root: Path | None,
+        prefix: str,
         on_graph: Callable[[torch.fx.GraphModule, Sequence[SplitItem]], None] | None = None,
     ) -> None:
         self.config = config
-        self.manager = manager
+        self.compiler = compiler
+        self.cache_root = cache_root
+        self.prefix = prefix
         self.on_graph = on_graph
+        self.manager = CompilerManager(compiler, config, None)
+        self.store: CacheEntry | None = None
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.split_gm: torch.fx.GraphModule | None = None
@@ -63,6 +72,9 @@ class PiecewiseBackend:
         )
         if self.on_graph is not None:
             self.on_graph(split_gm, items)
+        if self.cache_root is not None:
+            self.store = self._open_store(gm, split_gm, items)
+            self.manager = CompilerManager(self.compiler, self.config, self.store)
 
         fake_args = _fake_inputs(gm, example_inputs)
         fake_mode = next(
@@ -74,9 +86,27 @@ class PiecewiseBackend:
         start = time.perf_counter()
         with fake_mode if fake_mode is not None else _nullcontext():
             propagator.run(*fake_args)
-        log.info("compiled %d piece(s) in %.2fs", len(self.runners), time.perf_counter() - start)
+        log.info(
+            "%s: %s start, %d artifact(s) loaded, %d compiled in %.2fs%s",
+            self.prefix,
+            "warm" if self.manager.compiled == 0 and self.store is not None else "cold",
+            self.manager.loaded,
+            self.manager.compiled,
+            time.perf_counter() - start,
+            f" (cache {self.store.path})" if self.store is not None else "",
+        )
         # forward, not __call__: skips nn.Module call machinery on every step.
         return split_gm.forward
+
+    def _open_store(
+        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]
+    ) -> CacheEntry:
+        assert self.cache_root is not None, "_open_store needs a cache root"
+        sources = traced_sources(torch._guards.TracingContext.get_traced_code() or ())
+        factors = collect_factors(
+            self.config, self.compiler.name, self.compiler.compute_hash(), sources, graph_signature(gm)
+        )
+        return open_entry(self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), sources)
 
     def build(
         self,
@@ -134,6 +164,15 @@ class PiecewiseBackend:
                 record = _with_served(record, self.runners[item.name])
             out.append(record)
         return tuple(out)
+
+
+def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
+    """A readable Python file: the split module, then every piece's code."""
+    parts = ["# tessera computation graph: the split module, then each piece.\n", split_gm.code]
+    for item in items:
+        kind = "splitting (runs as is)" if item.is_splitting else "compiled"
+        parts.append(f"\n# ---- {item.name} (piece {item.index}, {kind}) ----\n{item.graph.code}")
+    return "".join(parts)
 
 
 def _with_served(record: PieceRecord, runner: PieceRunner) -> PieceRecord:

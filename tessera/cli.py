@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -27,6 +28,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="steady-state latency benchmark (JSON on stdout)")
     bench.add_argument("--quick", action="store_true", help="fewer repeats")
 
+    cache = sub.add_parser("cache", help="inspect and manage the persistent compile cache")
+    cache.add_argument("--root", help="cache root (default: $TESSERA_CACHE_DIR or the user cache dir)")
+    cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    cache_sub.add_parser("ls", help="list entries: prefix, key, size, created, last used, pieces")
+    explain = cache_sub.add_parser("explain", help="why the newest entry (or a script's) missed")
+    explain.add_argument("--script", help="run this Python script first, then explain its miss")
+    explain.add_argument("entry", nargs="?", help="an entry directory (default: the newest)")
+    cache_sub.add_parser("verify", help="check every checksum; exit 1 on damage")
+    cache_sub.add_parser("clear", help="remove every entry not in use")
+    prune = cache_sub.add_parser("prune", help="remove least recently used entries down to a size")
+    prune.add_argument("--max-size", required=True, help="e.g. 500M, 2G")
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -40,5 +53,63 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tessera.bench.steady_state import main as bench_main
 
         return bench_main(quick=args.quick)
+    if args.command == "cache":
+        return cache_command(args)
     parser.print_help(sys.stdout)
     return 0
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    from datetime import datetime
+    from pathlib import Path
+
+    from tessera import cachetools
+    from tessera.cache import cache_root
+
+    root = cache_root(args.root)
+    action = args.cache_command
+    if action == "ls":
+        infos = [cachetools.entry_info(p) for p in cachetools.find_entries(root)]
+        print(f"cache root {root}: {len(infos)} entr{'y' if len(infos) == 1 else 'ies'}")
+        if infos:
+            header = f"  {'prefix':<14} {'key':<12} {'rank':<9} {'size':>10}  {'created':<16} "
+            print(header + f"{'last used':<16} pieces")
+        for e in infos:
+            stamp = lambda t: datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")  # noqa: E731
+            sizes = ",".join(e.sizes) or "-"
+            print(
+                f"  {e.prefix:<14} {e.key:<12} {e.rank:<9} {cachetools.human_bytes(e.size_bytes):>10}  "
+                f"{stamp(e.created):<16} {stamp(e.last_used):<16} {e.pieces} ({sizes})"
+            )
+        return 0
+    if action == "explain":
+        if args.script:
+            import runpy
+
+            os.environ["TESSERA_CACHE_DIR"] = str(root)
+            runpy.run_path(args.script, run_name="__main__")
+        for line in cachetools.explain(root, Path(args.entry) if args.entry else None):
+            print(line)
+        return 0
+    if action == "verify":
+        problems = cachetools.verify(root)
+        entries = len(cachetools.find_entries(root))
+        for problem in problems:
+            print(f"DAMAGED {problem}")
+        print(f"{entries} entr{'y' if entries == 1 else 'ies'} checked, {len(problems)} problem(s)")
+        return 1 if problems else 0
+    if action == "clear":
+        print(f"removed {cachetools.clear(root)} entries from {root}")
+        return 0
+    if action == "prune":
+        try:
+            limit = cachetools.parse_size(args.max_size)
+        except ValueError as e:
+            print(f"tessera cache prune: {e}", file=sys.stderr)
+            return 2
+        removed = cachetools.prune(root, limit)
+        for path in removed:
+            print(f"removed {path}")
+        print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed; limit {args.max_size}")
+        return 0
+    return 2

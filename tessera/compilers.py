@@ -116,6 +116,7 @@ class InductorCompiler:
 
     def __init__(self) -> None:
         self.cache_dir: Path | None = None
+        self._loaded: dict[str, Any] = {}
 
     def compute_hash(self) -> str:
         from torch._inductor import config as inductor_config
@@ -154,7 +155,7 @@ class InductorCompiler:
         counters.bump("inductor_compiles")
         handle = None
         if self.cache_dir is not None:
-            handle = f"{key}.bin"
+            handle = key
             artifact.save(path=str(self.cache_dir / handle), format="binary")
             counters.bump("artifacts_saved")
         return artifact, handle
@@ -172,9 +173,21 @@ class InductorCompiler:
             raise CompilerError(f"inductor artifact handle must be a file name, got {handle!r}")
         from torch._inductor import CompiledArtifact
 
-        loaded = CompiledArtifact.load(path=str(self.cache_dir / handle), format="binary")
-        counters.bump("artifacts_loaded")
-        return loaded
+        loaded = self._loaded.get(handle)
+        if loaded is None:
+            # Files are content-addressed: identical pieces (transformer layers) load once.
+            loaded = CompiledArtifact.load(path=str(self.cache_dir / handle), format="binary")
+            self._loaded[handle] = loaded
+            counters.bump("artifacts_loaded")
+        if _returns_tuple(graph):
+            return loaded  # type: ignore[no-any-return]
+        # A loaded artifact always returns a list; the piece graph returned a single value.
+        return lambda *args: loaded(*args)[0]
+
+
+def _returns_tuple(graph: torch.fx.GraphModule) -> bool:
+    output = next(iter(reversed(graph.graph.nodes)))
+    return isinstance(output.args[0], (tuple, list))
 
 
 def _standalone_compile(

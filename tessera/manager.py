@@ -6,7 +6,9 @@ The index maps ``(size, piece index, compiler name)`` to the compiler's handle.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import torch.fx
 
 from tessera import counters
+from tessera.cache import CacheEntry
 from tessera.compilers import Compiler, Size, size_label
 from tessera.config import CompileConfig, SizeRange
 
@@ -56,11 +59,13 @@ class CompileOutcome:
 class CompilerManager:
     """Owns one compiler and the index of what it has produced for one model."""
 
-    def __init__(self, compiler: Compiler, config: CompileConfig, store: Any | None = None) -> None:
+    def __init__(self, compiler: Compiler, config: CompileConfig, store: CacheEntry | None = None) -> None:
         self.compiler = compiler
         self.config = config
-        self.store = store  # the persistent cache entry (tessera.cache.CacheEntry) or None
+        self.store = store
         self.index: dict[IndexKey, Any] = store.read_index() if store is not None else {}
+        self.loaded = 0
+        self.compiled = 0
         compiler.initialize_cache(store.path if store is not None else None)
 
     def get(
@@ -80,13 +85,17 @@ class CompilerManager:
         fn = self._try_load(key, graph, size, index)
         if fn is not None:
             counters.bump("cache_hits")
+            self.loaded += 1
             return CompileOutcome(fn, time.perf_counter() - start, loaded=True)
-        if self.store is not None:
-            counters.bump("cache_misses")
-        fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, artifact_name(key))
+        # A unique scratch name: several processes may compile the same entry at once.
+        scratch = f"artifacts/.{artifact_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, scratch)
+        self.compiled += 1
         if self.store is not None and handle is not None:
-            self.index[key] = handle
-            self.store.record(key, handle)
+            counters.bump("cache_misses")
+            # Recorded only now, after the artifact is complete on disk: a process that dies
+            # mid-compile leaves no index entry for a later process to trust.
+            self.index[key] = self.store.adopt(key, handle)
         seconds = time.perf_counter() - start
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), seconds)
         return CompileOutcome(fn, seconds, loaded=False)
@@ -102,7 +111,8 @@ class CompilerManager:
             try:
                 return self.compiler.load(handle, graph, (), index, size)
             except Exception as e:  # a damaged artifact must cost a recompile, never the process
-                problem = f"{type(e).__name__}: {e}"
+                problem = f"not loadable ({type(e).__name__}: {str(e)[:120]})"
         self.store.report_damage(handle, problem)
         del self.index[key]
+        self.store.forget(key)
         return None

@@ -1,0 +1,153 @@
+"""The persistent cache: warm starts, self-healing, key sensitivity and the switch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera.cache import INDEX, CacheDamagedWarning
+from tessera.cachetools import explain, find_entries, verify
+from tessera.models import toy_llama
+
+SIZES = (3, 9)
+
+
+def compile_and_check(layers: int = 1, backend: str = "inductor", **overrides):
+    model = toy_llama.build(num_layers=layers)
+    compiled = tessera.compile(model, backend=backend, **overrides)
+    outputs = []
+    with torch.no_grad():
+        for n in SIZES:
+            ids, pos = toy_llama.example_inputs(n)
+            outputs.append(compiled(ids, pos))
+            torch.testing.assert_close(outputs[-1], model(ids, pos))
+    return compiled, outputs
+
+
+def fresh_counts(**overrides):
+    tessera.counters.reset()
+    compiled, outputs = compile_and_check(**overrides)
+    return compiled, outputs, tessera.counters.snapshot()
+
+
+@pytest.mark.inductor
+def test_warm_start_loads_every_artifact_and_matches_exactly():
+    cold, cold_out, counts = fresh_counts(compile_sizes=[3])
+    assert counts["cache_misses"] == counts["backend_compilations"] == 4
+    assert counts["artifacts_saved"] == 4
+    warm, warm_out, counts = fresh_counts(compile_sizes=[3])
+    assert counts["inductor_compiles"] == 0
+    assert counts["cache_hits"] == counts["backend_compilations"] == 4
+    assert warm.cache_dir == cold.cache_dir
+    for a, b in zip(cold_out, warm_out, strict=True):
+        assert torch.equal(a, b)
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 3)])
+    else:
+        path.write_bytes(os.urandom(max(64, path.stat().st_size)))
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("how", ["truncate", "random", "delete"])
+@pytest.mark.parametrize("which", ["index.py", "cache_key_factors.json", "computation_graph.py", "artifact"])
+def test_damaged_file_is_reported_once_rebuilt_and_then_hits(which, how):
+    first, _, _ = fresh_counts()
+    entry = first.cache_dir
+    target = sorted((entry / "artifacts").glob("*.bin"))[0] if which == "artifact" else entry / which
+    _damage(target, how)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, counts = fresh_counts()  # outputs are checked against eager inside
+    damage = [w for w in caught if issubclass(w.category, CacheDamagedWarning)]
+    assert len(damage) == 1, [str(w.message) for w in damage]
+    assert target.name in str(damage[0].message)
+    if which in ("index.py", "artifact"):
+        assert counts["inductor_compiles"] >= 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, counts = fresh_counts()
+    assert not [w for w in caught if issubclass(w.category, CacheDamagedWarning)]
+    assert counts["inductor_compiles"] == 0
+    assert counts["cache_hits"] == counts["backend_compilations"]
+    assert verify(entry.parents[2]) == []
+
+
+@pytest.mark.inductor
+def test_cache_root_moved_and_working_directory_changed_still_hit(tmp_path, monkeypatch):
+    first, _, _ = fresh_counts()
+    moved = tmp_path / "moved-root"
+    shutil.copytree(first.cache_dir.parents[2], moved)
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(moved))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SOME_UNRELATED_VARIABLE", "1")
+    second, _, counts = fresh_counts()
+    assert second.cache_dir is not None and second.cache_dir.is_relative_to(moved)
+    assert counts["inductor_compiles"] == 0 and counts["cache_hits"] == counts["backend_compilations"]
+
+
+def test_config_field_that_changes_code_misses_and_explain_names_it():
+    first, _, _ = fresh_counts(backend="eager")
+    second, _, _ = fresh_counts(backend="eager", compile_ranges=[4])
+    assert first.cache_dir != second.cache_dir
+    lines = explain(first.cache_dir.parents[2], second.cache_dir)
+    assert any("config field compile_ranges: [] -> [4]" in line for line in lines), lines
+
+
+def test_torch_version_factor_misses_and_explain_names_it(monkeypatch):
+    first, _, _ = fresh_counts(backend="eager")
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    second, _, _ = fresh_counts(backend="eager")
+    assert first.cache_dir != second.cache_dir
+    lines = explain(first.cache_dir.parents[2])
+    assert any(line.strip().startswith("- torch version:") and "9.9.9" in line for line in lines), lines
+
+
+def test_unrelated_config_and_environment_changes_hit(monkeypatch):
+    first, _, _ = fresh_counts(backend="eager")
+    monkeypatch.setenv("TESSERA_DISABLE_CACHE_UNRELATED", "x")
+    monkeypatch.setenv("OMP_SCHEDULE", "static")
+    second, _, _ = fresh_counts(backend="eager")
+    assert first.cache_dir == second.cache_dir
+
+
+def test_disable_cache_reads_and_writes_nothing(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    compiled, _, counts = fresh_counts(backend="eager", disable_cache=True)
+    assert compiled.cache_dir is None and not root.exists()
+    monkeypatch.setenv("TESSERA_DISABLE_CACHE", "1")
+    compiled, _, _ = fresh_counts(backend="eager")
+    assert compiled.cache_dir is None and not root.exists()
+    assert counts["cache_hits"] == counts["cache_misses"] == 0
+
+
+def test_index_is_literal_only_and_never_executed(tmp_path):
+    first, _, _ = fresh_counts(backend="eager")
+    entry = first.cache_dir
+    marker = tmp_path / "pwned"
+    (entry / INDEX).write_text(f"__import__('pathlib').Path({str(marker)!r}).touch()\n")
+    with pytest.warns(CacheDamagedWarning, match=INDEX):
+        fresh_counts(backend="eager")
+    assert not marker.exists()
+
+
+def test_layout_holds_factors_graph_and_index(tmp_path):
+    compiled, _, _ = fresh_counts(backend="eager", prefix="backbone")
+    entry = compiled.cache_dir
+    assert entry.name == "backbone" and entry.parent.name == "rank_0_0"
+    assert entry.parents[2] == tmp_path / "cache"
+    assert (entry / "cache_key_factors.json").exists()
+    assert "submod_0" in (entry / "computation_graph.py").read_text()
+    assert find_entries(tmp_path / "cache") == [entry]
