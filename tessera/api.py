@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tessera import counters
+from tessera import artifact, counters
 from tessera.backend import PiecewiseBackend
 from tessera.cache import cache_root
 from tessera.compilers import make_compiler
@@ -22,6 +22,7 @@ from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 from tessera.piece import PieceRecord
 from tessera.split import SplitItem
+from tessera.warmstart import record_warm_start, try_warm_start
 from tessera.wrapper import DynamicDims, mark_dynamic_dims, split_callable, trace_once
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class CompiledModel:
         self._call: Callable[..., Any] = self._first_call
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
+        self._traced: bool | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
@@ -95,31 +97,65 @@ class CompiledModel:
             start = time.perf_counter()
             output, self._call = self._compile(args, kwargs)
             self.first_call_seconds = time.perf_counter() - start
-            log.info(
-                "%s compiled (%s, %s) in %.2fs",
-                self.prefix or self._func.__qualname__,
-                self.config.mode,
-                self.config.backend,
-                self.first_call_seconds,
-            )
+            self._log_start()
             return output
+
+    def _log_start(self) -> None:
+        """One line per model: cold or warm, how long, what was loaded and compiled, where."""
+        backend = self._backend
+        name = self.prefix or self._func.__qualname__
+        if backend is None:
+            log.info("%s: mode %s ready in %.2fs", name, self.config.mode, self.first_call_seconds)
+            return
+        manager = backend.manager
+        kind = "warm" if manager.compiled == 0 and manager.loaded > 0 else "cold"
+        log.info(
+            "%s: %s start in %.2fs (%s; %d artifact(s) loaded, %d compiled; cache %s)",
+            name,
+            kind,
+            self.first_call_seconds,
+            "no Dynamo trace" if self._traced is False else "one Dynamo trace",
+            manager.loaded,
+            manager.compiled,
+            self._cache_dir or "disabled",
+        )
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
         mode = self.config.mode
         if mode == "none":
             return self.model(*args, **kwargs), self.model
-        self.marked_dims = mark_dynamic_dims(self._func, self._bound_to, args, kwargs, self._dynamic_dims)
+        self.marked_dims, arguments = mark_dynamic_dims(
+            self._func, self._bound_to, args, kwargs, self._dynamic_dims
+        )
         if mode == "stock":
             compiled = torch.compile(self.model, backend=_counting_backend(self.config.backend))
             return compiled(*args, **kwargs), compiled
         compiler = make_compiler(self.config.backend)
         root = None if self.config.disable_cache else cache_root(self.config.cache_dir)
-        self._backend = PiecewiseBackend(
-            self.config, compiler, root, self.prefix or "model", on_graph=self._on_graph
-        )
-        output, call = trace_once(self._func, self._bound_to, self._backend, args, kwargs)
-        if self._backend.store is not None:
-            self._cache_dir = self._backend.store.path
+        prefix = self.prefix or "model"
+        backend = PiecewiseBackend(self.config, compiler, root, prefix, on_graph=self._on_graph)
+        self._backend = backend
+        print_ = None
+        if root is not None:
+            print_ = artifact.fingerprint(
+                self._func,
+                self._bound_to,
+                arguments,
+                self.marked_dims,
+                self.config,
+                compiler.compute_hash(),
+                prefix,
+            )
+            warm = try_warm_start(backend, root, print_, self._func, self._bound_to)
+            if warm is not None:
+                call, self._items = warm
+                self._traced = False
+                self._cache_dir = backend.store.path if backend.store is not None else None
+                return call(*args, **kwargs), call
+        output, call, code = trace_once(self._func, self._bound_to, backend, args, kwargs)
+        if print_ is not None and root is not None and backend.store is not None:
+            self._cache_dir = backend.store.path
+            record_warm_start(backend, root, print_, self._func, code, self._items)
         return output, call
 
     def _on_graph(self, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> None:

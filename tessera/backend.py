@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from tessera import counters
 from tessera.cache import CacheEntry, open_entry
-from tessera.cachekey import collect_factors, graph_signature, traced_sources
+from tessera.cachekey import SourceFile, collect_factors, graph_signature, traced_sources
 from tessera.compilers import Compiler, Size, size_label
 from tessera.config import CompileConfig
 from tessera.manager import CompilerManager
@@ -48,6 +48,7 @@ class PiecewiseBackend:
         self.on_graph = on_graph
         self.manager = CompilerManager(compiler, config, None)
         self.store: CacheEntry | None = None
+        self.sources: list[SourceFile] = []
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.split_gm: torch.fx.GraphModule | None = None
@@ -64,7 +65,7 @@ class PiecewiseBackend:
         self.split_gm = split_gm
         counters.bump("pieces", len(items))
         counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
-        log.info(
+        log.debug(
             "traced graph of %d nodes split into %d piece(s) (%d compiled)",
             len(gm.graph.nodes),
             len(items),
@@ -82,19 +83,16 @@ class PiecewiseBackend:
         ) or detect_fake_mode(example_inputs)
         if fake_mode is not None and fake_mode.shape_env is not None:
             _lift_small_hints(fake_mode.shape_env)
-        propagator = _Propagator(split_gm, self, items, list(example_inputs))
         start = time.perf_counter()
-        with fake_mode if fake_mode is not None else _nullcontext():
-            propagator.run(*fake_args)
-        log.info(
-            "%s: %s start, %d artifact(s) loaded, %d compiled in %.2fs%s",
-            self.prefix,
-            "warm" if self.manager.compiled == 0 and self.store is not None else "cold",
-            self.manager.loaded,
-            self.manager.compiled,
-            time.perf_counter() - start,
-            f" (cache {self.store.path})" if self.store is not None else "",
-        )
+        calls = _piece_calls_from_meta(split_gm, items, list(example_inputs))
+        if calls is not None:
+            for item, piece_fake, piece_real in calls:
+                self._install(split_gm, item, piece_fake, piece_real)
+        else:  # some input lacks Dynamo's example value: run the split module on fake tensors
+            propagator = _Propagator(split_gm, self, items, list(example_inputs))
+            with fake_mode if fake_mode is not None else _nullcontext():
+                propagator.run(*fake_args)
+        log.debug("built %d piece runner(s) in %.2fs", len(self.runners), time.perf_counter() - start)
         # forward, not __call__: skips nn.Module call machinery on every step.
         return split_gm.forward
 
@@ -103,20 +101,35 @@ class PiecewiseBackend:
     ) -> CacheEntry:
         assert self.cache_root is not None, "_open_store needs a cache root"
         sources = traced_sources(torch._guards.TracingContext.get_traced_code() or ())
+        self.sources = sources
         factors = collect_factors(
             self.config, self.compiler.name, self.compiler.compute_hash(), sources, graph_signature(gm)
         )
         return open_entry(self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), sources)
+
+    def _install(
+        self,
+        split_gm: torch.fx.GraphModule,
+        item: SplitItem,
+        fake_args: Sequence[Any],
+        real_args: Sequence[Any | None],
+    ) -> None:
+        """Build the piece's runner and make the split module call it instead of the submodule."""
+        runner = self.build(item, fake_args, real_args)
+        # The split module's code calls self.submod_N(...): an instance attribute shadows the
+        # submodule, so calls go straight to the runner while the GraphModule stays printable.
+        split_gm.__dict__[item.name] = runner
 
     def build(
         self,
         item: SplitItem,
         fake_args: Sequence[Any],
         real_args: Sequence[Any | None],
-        returns_tuple: bool,
     ) -> PieceRunner:
         """Compile (or load) every artifact of one non-splitting piece and make its runner."""
         config = self.config
+        output = next(iter(reversed(item.graph.graph.nodes)))
+        returns_tuple = isinstance(output.args[0], (tuple, list))
         source = find_size_source(fake_args)
         sizes = config.compile_sizes if source is not None else ()
         ranges = config.ranges if source is not None else ()
@@ -203,13 +216,33 @@ class _Propagator(torch.fx.Interpreter):
         if item is not None and not item.is_splitting:
             fake_args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in n.args]
             real_args = [self.real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in n.args]
-            output = next(iter(reversed(item.graph.graph.nodes)))
-            returns_tuple = isinstance(output.args[0], (tuple, list))
-            runner = self.backend.build(item, fake_args, real_args, returns_tuple)
-            # The split module's code calls self.submod_N(...): an instance attribute shadows the
-            # submodule, so calls go straight to the runner while the GraphModule stays printable.
-            self.module.__dict__[item.name] = runner
+            self.backend._install(self.module, item, fake_args, real_args)  # type: ignore[arg-type]
         return result
+
+
+def _piece_calls_from_meta(
+    split_gm: torch.fx.GraphModule, items: Sequence[SplitItem], real_inputs: list[Any]
+) -> list[tuple[SplitItem, list[Any], list[Any | None]]] | None:
+    """Per compiled piece: its inputs' fake values (from Dynamo's meta) and real values where known.
+
+    No fake execution: split_module copies each input's example value onto the piece's
+    placeholders, which is all a runner needs. None when some example value is missing.
+    """
+    by_name = {item.name: item for item in items}
+    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+    real_of = dict(zip(placeholders, real_inputs, strict=True))
+    calls = []
+    for node in split_gm.graph.nodes:
+        item = by_name.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        if item is None or item.is_splitting:
+            continue
+        inputs = [n for n in item.graph.graph.nodes if n.op == "placeholder"]
+        fake = [n.meta.get("example_value") for n in inputs]
+        if len(fake) != len(node.args) or any(v is None for v in fake):
+            return None
+        real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
+        calls.append((item, fake, real))
+    return calls
 
 
 def _lift_small_hints(shape_env: Any) -> None:

@@ -30,9 +30,11 @@ log = logging.getLogger(__name__)
 INDEX = "index.py"
 FACTORS = "cache_key_factors.json"
 GRAPH = "computation_graph.py"
+MODEL = "model_artifact.pkl"
 INUSE = ".inuse"
 INDEX_VERSION = 1
 _HELD_OPEN: list[Any] = []  # in-use markers held (shared-locked) for the life of the process
+_WARNED: set[Path] = set()  # damaged files already reported by this process
 
 
 class CacheDamagedWarning(UserWarning):
@@ -113,6 +115,19 @@ def parse_index(text: str) -> dict[str, Any]:
             raise ValueError(f"entry {key!r} points outside the cache entry")
     if not isinstance(data.get("created"), (int, float)):
         raise ValueError("'created' is missing")
+    files = data.get("files", {})
+    if not (
+        isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise ValueError("'files' is not a dict of name -> sha256")
+    model = data.get("model")
+    if model is not None and not (
+        isinstance(model, dict)
+        and model.get("file") == MODEL
+        and isinstance(model.get("sha256"), str)
+        and isinstance(model.get("size"), int)
+    ):
+        raise ValueError("'model' record is malformed")
     return data
 
 
@@ -126,7 +141,8 @@ class CacheEntry:
         self.entries: dict[tuple[Any, int, str], dict[str, Any]] = {}
         self.created = time.time()
         self.existed = False
-        self._warned: set[str] = set()
+        self.model: dict[str, Any] | None = None
+        self.files: dict[str, str] = {}
         self._lock = filelock.FileLock(str(path / ".lock"))
 
     # -- opening -------------------------------------------------------------------------------
@@ -167,6 +183,8 @@ class CacheEntry:
             return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
         self.entries = data["entries"]
         self.created = data["created"]
+        self.model = data.get("model")
+        self.files = data.get("files", {})
         return None
 
     def _ensure_file(self, name: str, expected: bytes) -> None:
@@ -175,11 +193,22 @@ class CacheEntry:
             actual = path.read_bytes()
         except FileNotFoundError:
             actual = None
+        digest = hashlib.sha256(expected).hexdigest()
         if actual == expected:
+            if self.files.get(name) != digest:
+                self._record_file(name, digest)
             return
         if self.existed:
             self.report_damage(name, "missing" if actual is None else "content does not match its key")
         atomic_write(path, expected)
+        self._record_file(name, digest)
+
+    def _record_file(self, name: str, digest: str) -> None:
+        self.files[name] = digest
+        with self._lock:
+            self._merge_from_disk()
+            self.files[name] = digest
+            self._write_index()
 
     def _mark_in_use(self) -> None:
         marker = self.path / INUSE
@@ -194,6 +223,40 @@ class CacheEntry:
         os.utime(marker)
         _HELD_OPEN.append(f)
 
+    @classmethod
+    def open_warm(cls, path: Path) -> CacheEntry | None:
+        """Open an existing entry for a start without Dynamo; None (after reporting) if not sound.
+
+        Every file the entry holds is checked against the sha256 the index records for it.
+        """
+        try:
+            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            factors = None
+        entry = cls(path, factors if isinstance(factors, dict) else {}, path.parent.parent.name)
+        entry.existed = True
+        problem = entry._load_index()
+        if problem is not None:
+            entry.report_damage(INDEX, problem)
+            return None
+        for name in (FACTORS, GRAPH):
+            try:
+                actual = hashlib.sha256((path / name).read_bytes()).hexdigest()
+            except FileNotFoundError:
+                actual = "missing"
+            if actual != entry.files.get(name):
+                entry.report_damage(
+                    name, "missing" if actual == "missing" else "content does not match its key"
+                )
+                return None
+        problem = entry.check_model()
+        if problem is not None:
+            if problem != "not recorded":
+                entry.report_damage(MODEL, problem)
+            return None
+        entry._mark_in_use()
+        return entry
+
     # -- artifacts -----------------------------------------------------------------------------
     def read_index(self) -> dict[tuple[Any, int, str], str]:
         """Index key -> artifact file (relative to the entry), for the compiler manager."""
@@ -204,7 +267,10 @@ class CacheEntry:
         record = next((v for v in self.entries.values() if v["file"] == handle), None)
         if record is None:
             return "not in the index"
-        path = self.path / handle
+        return self._check(record)
+
+    def _check(self, record: Mapping[str, Any]) -> str | None:
+        path = self.path / record["file"]
         if not path.exists():
             return "missing"
         if path.stat().st_size != record["size"]:
@@ -227,35 +293,60 @@ class CacheEntry:
         self.entries[key] = record
         with self._lock:
             # Merge with what other processes recorded since we read the index.
-            merged: dict[Any, Any] = {}
-            with contextlib.suppress(FileNotFoundError, ValueError, SyntaxError):
-                on_disk = parse_index((self.path / INDEX).read_text(encoding="utf-8"))
-                merged.update(on_disk["entries"])
-                self.created = min(self.created, on_disk["created"])
-            merged.update(self.entries)
-            self.entries = merged
+            self._merge_from_disk()
             self._write_index()
         return relative
+
+    def _merge_from_disk(self) -> None:
+        """Fold in what other processes recorded since we read the index (caller holds the lock)."""
+        with contextlib.suppress(FileNotFoundError, ValueError, SyntaxError, UnicodeDecodeError):
+            on_disk = parse_index((self.path / INDEX).read_text(encoding="utf-8"))
+            self.entries = {**on_disk["entries"], **self.entries}
+            self.created = min(self.created, on_disk["created"])
+            self.files = {**on_disk.get("files", {}), **self.files}
+            if self.model is None:
+                self.model = on_disk.get("model")
+
+    def record_model(self, sha: str, size: int) -> None:
+        """Record the whole-model artifact (already written atomically) in the index."""
+        self.model = {"file": MODEL, "sha256": sha, "size": size}
+        with self._lock:
+            self._merge_from_disk()
+            self._write_index()
+
+    def check_model(self) -> str | None:
+        """None if the whole-model artifact matches its recorded checksum, else the problem."""
+        if self.model is None:
+            return "not recorded"
+        return self._check(self.model)
 
     def forget(self, key: tuple[Any, int, str]) -> None:
         self.entries.pop(key, None)
 
     def _write_index(self) -> None:
-        data = {"version": INDEX_VERSION, "created": self.created, "entries": self.entries}
+        data: dict[str, Any] = {
+            "version": INDEX_VERSION,
+            "created": self.created,
+            "entries": self.entries,
+            "files": self.files,
+        }
+        if self.model is not None:
+            data["model"] = self.model
         text = "# tessera cache index: a Python literal, read with ast.literal_eval.\n"
         text += pprint.pformat(data, width=100, sort_dicts=True) + "\n"
         atomic_write(self.path / INDEX, text.encode())
 
     def report_damage(self, name: str, problem: str) -> None:
         """Warn once per file per process; the caller rebuilds what the file held."""
-        if name in self._warned:
-            return
-        self._warned.add(name)
-        warnings.warn(
-            f"tessera cache: {self.path / name} is {problem}; rebuilding it",
-            CacheDamagedWarning,
-            stacklevel=3,
-        )
+        report_damage(self.path / name, problem)
+
+
+def report_damage(path: Path, problem: str) -> None:
+    """Warn once per damaged file per process (a CacheDamagedWarning naming the file)."""
+    if path in _WARNED:
+        return
+    _WARNED.add(path)
+    warnings.warn(f"tessera cache: {path} is {problem}; rebuilding it", CacheDamagedWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

@@ -135,6 +135,12 @@ class InductorCompiler:
     def initialize_cache(self, cache_dir: Path | None) -> None:
         self.cache_dir = cache_dir
 
+    def _load_file(self, handle: str) -> Any:
+        from torch._inductor import CompiledArtifact
+
+        assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
+        return CompiledArtifact.load(path=str(self.cache_dir / handle), format="binary")
+
     def compile(
         self,
         graph: torch.fx.GraphModule,
@@ -171,12 +177,10 @@ class InductorCompiler:
         assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
         if not isinstance(handle, str):
             raise CompilerError(f"inductor artifact handle must be a file name, got {handle!r}")
-        from torch._inductor import CompiledArtifact
-
         loaded = self._loaded.get(handle)
         if loaded is None:
             # Files are content-addressed: identical pieces (transformer layers) load once.
-            loaded = CompiledArtifact.load(path=str(self.cache_dir / handle), format="binary")
+            loaded = self._load_file(handle)
             self._loaded[handle] = loaded
             counters.bump("artifacts_loaded")
         if _returns_tuple(graph):

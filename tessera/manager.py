@@ -100,6 +100,18 @@ class CompilerManager:
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), seconds)
         return CompileOutcome(fn, seconds, loaded=False)
 
+    def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | None:
+        """The artifact for ``(size, index)`` from the cache, or None; never compiles."""
+        key: IndexKey = (size_key(size), index, self.compiler.name)
+        start = time.perf_counter()
+        fn = self._try_load(key, graph, size, index)
+        if fn is None:
+            return None
+        counters.bump("backend_compilations")
+        counters.bump("cache_hits")
+        self.loaded += 1
+        return CompileOutcome(fn, time.perf_counter() - start, loaded=True)
+
     def _try_load(
         self, key: IndexKey, graph: torch.fx.GraphModule, size: Size, index: int
     ) -> Callable[..., Any] | None:

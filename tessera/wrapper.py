@@ -42,7 +42,7 @@ def mark_dynamic_dims(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dynamic_dims: DynamicDims | None,
-) -> list[tuple[str, int]]:
+) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """Mark the dims Dynamo must keep symbolic; return them as ``(arg name, dim)`` pairs.
 
     Default: dim 0 of every Tensor argument.
@@ -88,7 +88,7 @@ def mark_dynamic_dims(
             else:
                 torch._dynamo.mark_dynamic(value, dim)
             marked.append((name, dim % value.dim()))
-    return marked
+    return marked, values
 
 
 @contextlib.contextmanager
@@ -112,7 +112,7 @@ def trace_once(
     backend: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Any, Callable[..., Any]]:
+) -> tuple[Any, Callable[..., Any], types.CodeType]:
     """Trace ``func`` with every guard dropped; return the first output and a Dynamo-free callable.
 
     The callable runs the bytecode Dynamo produced (graph call plus input/output plumbing) as a
@@ -160,7 +160,7 @@ def trace_once(
     )
     fast.__kwdefaults__ = func.__kwdefaults__
     call = types.MethodType(fast, bound_to) if bound_to is not None else fast
-    return output, call
+    return output, call, captured[-1]
 
 
 def describe_trace_failure(func: types.FunctionType, error: Exception) -> str:

@@ -43,6 +43,8 @@ def test_warm_start_loads_every_artifact_and_matches_exactly():
     assert counts["artifacts_saved"] == 4
     warm, warm_out, counts = fresh_counts(compile_sizes=[3])
     assert counts["inductor_compiles"] == 0
+    assert counts["graphs_traced"] == 0  # rebuilt from the whole-model artifact: no Dynamo
+    assert counts["pieces"] == 3 and counts["compiled_pieces"] == 2
     assert counts["cache_hits"] == counts["backend_compilations"] == 4
     assert warm.cache_dir == cold.cache_dir
     for a, b in zip(cold_out, warm_out, strict=True):
@@ -60,7 +62,10 @@ def _damage(path: Path, how: str) -> None:
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("how", ["truncate", "random", "delete"])
-@pytest.mark.parametrize("which", ["index.py", "cache_key_factors.json", "computation_graph.py", "artifact"])
+@pytest.mark.parametrize(
+    "which",
+    ["index.py", "cache_key_factors.json", "computation_graph.py", "model_artifact.pkl", "artifact"],
+)
 def test_damaged_file_is_reported_once_rebuilt_and_then_hits(which, how):
     first, _, _ = fresh_counts()
     entry = first.cache_dir
@@ -80,7 +85,7 @@ def test_damaged_file_is_reported_once_rebuilt_and_then_hits(which, how):
         warnings.simplefilter("always")
         _, _, counts = fresh_counts()
     assert not [w for w in caught if issubclass(w.category, CacheDamagedWarning)]
-    assert counts["inductor_compiles"] == 0
+    assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0
     assert counts["cache_hits"] == counts["backend_compilations"]
     assert verify(entry.parents[2]) == []
 
@@ -151,3 +156,27 @@ def test_layout_holds_factors_graph_and_index(tmp_path):
     assert (entry / "cache_key_factors.json").exists()
     assert "submod_0" in (entry / "computation_graph.py").read_text()
     assert find_entries(tmp_path / "cache") == [entry]
+
+
+def test_a_changed_module_constant_is_never_a_false_hit():
+    """Same code, same parameter shapes, another eps: the traced graph differs, so must the entry."""
+    first, _, _ = fresh_counts(backend="eager")
+    tessera.counters.reset()
+    model = toy_llama.build(num_layers=1, eps=0.5)
+    compiled = tessera.compile(model, backend="eager")
+    ids, pos = toy_llama.example_inputs(5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
+    assert compiled.cache_dir != first.cache_dir
+
+
+@pytest.mark.inductor
+def test_damaged_warm_pointer_is_reported_and_rebuilt():
+    first, _, _ = fresh_counts()
+    (pointer,) = (first.cache_dir.parents[2] / "warm").glob("*.json")
+    pointer.write_bytes(b"\x00garbage")
+    with pytest.warns(CacheDamagedWarning, match=pointer.name):
+        fresh_counts()
+    _, _, counts = fresh_counts()
+    assert counts["graphs_traced"] == 0

@@ -52,6 +52,7 @@ def test_cold_then_warm_process(tmp_path):
     warm = run_toy(cache, tmp_path / "warm.pt")
     assert cold["counters"]["inductor_compiles"] > 0
     assert warm["counters"]["inductor_compiles"] == 0
+    assert warm["counters"]["graphs_traced"] == 0  # the whole-model artifact skips Dynamo
     assert warm["counters"]["cache_hits"] == warm["counters"]["backend_compilations"] > 0
     cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
     assert cold_out.keys() == warm_out.keys()

@@ -1,0 +1,11 @@
+"""Process start to first output, cold and warm: tessera vs stock torch.compile vs mega-cache.
+
+Run: ``python benchmarks/startup.py [--layers 4 16] [--repeats N]``; prints JSON.
+"""
+
+from __future__ import annotations
+
+from tessera.bench.startup import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
