@@ -228,6 +228,15 @@ def make_compiler(backend: str) -> Compiler:
         return EagerCompiler()
     if backend == "inductor":
         return InductorCompiler()
+    if backend == "inductor_fx":
+        # The FX-graph-cache adaptor (artifacts found through Inductor's own cache with an
+        # always-hit shape env) exists for torch < 2.8, which has no standalone compile. tessera
+        # needs torch >= 2.11, where 'inductor' does the same job through a public API; the
+        # private cache internals it would patch change between 2.11 and 2.13.
+        raise CompilerError(
+            f"backend='inductor_fx' serves torch < 2.8 (Inductor's FX graph cache); this torch "
+            f"({torch.__version__}) has standalone compile: use backend='inductor'"
+        )
     module_name, sep, class_name = backend.partition(":")
     if not sep or not module_name or not class_name:
         raise CompilerError(f"backend={backend!r}: expected 'inductor', 'eager' or 'module:Class'")

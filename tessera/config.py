@@ -16,7 +16,7 @@ from typing import Any
 from tessera.errors import ConfigError
 
 MODES = ("none", "stock", "trace_once", "piecewise")
-BUILTIN_BACKENDS = ("inductor", "eager")
+BUILTIN_BACKENDS = ("inductor", "eager", "inductor_fx")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 
 # A splitting op spec: "ns::op", "ns::op.overload", a dotted Python path, an OpOverload(Packet)

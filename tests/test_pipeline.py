@@ -123,3 +123,9 @@ def test_graph_break_is_an_unsupported_model_error():
     compiled = tessera.compile(breaks, backend="eager")
     with pytest.raises(tessera.UnsupportedModelError, match="cannot be traced as one graph"):
         compiled(torch.ones(3))
+
+
+def test_legacy_fx_cache_compiler_is_refused_with_a_clear_error():
+    compiled = tessera.compile(toy_llama.build(num_layers=1), backend="inductor_fx")
+    with pytest.raises(tessera.CompilerError, match="use backend='inductor'"):
+        compiled(*toy_llama.example_inputs(3))
