@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the local CPU build satisfies it; unpinned would pull CUDA wheels.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.11,<2.14"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,8 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tessera tests benchmarks
-	$(VENV)/bin/ruff format --check tessera tests benchmarks
+	$(VENV)/bin/ruff check tessera tests benchmarks examples
+	$(VENV)/bin/ruff format --check tessera tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -69,6 +69,7 @@ class CompiledModel:
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
         self._traced: bool | None = None
+        self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
@@ -95,7 +96,10 @@ class CompiledModel:
             if self._call != self._first_call:  # another thread compiled while we waited
                 return self._call(*args, **kwargs)
             start = time.perf_counter()
-            output, self._call = self._compile(args, kwargs)
+            output, call = self._compile(args, kwargs)
+            if call is None:  # deferred: this call ran eagerly
+                return output
+            self._call = call
             self.first_call_seconds = time.perf_counter() - start
             self._log_start()
             return output
@@ -120,7 +124,10 @@ class CompiledModel:
             self._cache_dir or "disabled",
         )
 
-    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Callable[..., Any]]:
+    def _compile(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Callable[..., Any] | None]:
+        """The first call's output and the callable for later calls (None: compile deferred)."""
         mode = self.config.mode
         if mode == "none":
             return self.model(*args, **kwargs), self.model
@@ -152,6 +159,20 @@ class CompiledModel:
                 self._traced = False
                 self._cache_dir = backend.store.path if backend.store is not None else None
                 return call(*args, **kwargs), call
+        degenerate = [(n, d) for n, d in self.marked_dims if arguments[n].shape[d] < 2]
+        if degenerate:
+            # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
+            # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
+            # Run this call eagerly and trace at the first call with a general size instead.
+            if not self._deferred:
+                log.info(
+                    "%s: first call has dynamic size < 2 at %s; runs eagerly, compiles at a size >= 2",
+                    self.prefix or self._func.__qualname__,
+                    degenerate,
+                )
+            self._deferred += 1
+            self._backend = None
+            return self.model(*args, **kwargs), None
         output, call, code = trace_once(self._func, self._bound_to, backend, args, kwargs)
         if print_ is not None and root is not None and backend.store is not None:
             self._cache_dir = backend.store.path

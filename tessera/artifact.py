@@ -155,14 +155,15 @@ def capture(
         return None
     clean = torch.fx.GraphModule(dict(split_gm.named_children()), split_gm.graph)
     try:
+        code_bytes = marshal.dumps(code)
         split_bytes = pickle.dumps(clean)
-    except Exception as e:  # an unpicklable constant in the graph: keep the per-piece cache only
-        log.debug("no whole-model artifact: split module does not pickle (%s)", e)
+    except Exception as e:  # an object constant in the bytecode or graph: per-piece cache only
+        log.info("no whole-model artifact (warm starts will trace): %s", e)
         return None
     return ModelArtifact(
         format=FORMAT,
         python=platform.python_version(),
-        code=marshal.dumps(code),
+        code=code_bytes,
         compiled_fn=compiled_fn,
         imports=tuple(dict.fromkeys(imports)),
         split_module=split_bytes,

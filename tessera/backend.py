@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
@@ -81,8 +80,6 @@ class PiecewiseBackend:
         fake_mode = next(
             (a.fake_mode for a in fake_args if isinstance(a, FakeTensor)), None
         ) or detect_fake_mode(example_inputs)
-        if fake_mode is not None and fake_mode.shape_env is not None:
-            _lift_small_hints(fake_mode.shape_env)
         start = time.perf_counter()
         calls = _piece_calls_from_meta(split_gm, items, list(example_inputs))
         if calls is not None:
@@ -243,20 +240,6 @@ def _piece_calls_from_meta(
         real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         calls.append((item, fake, real))
     return calls
-
-
-def _lift_small_hints(shape_env: Any) -> None:
-    # A first call of size 0 or 1 leaves that value as the symbol's hint, and Inductor (torch
-    # <= 2.13) then bakes size-1 layouts into the *general* artifact: wrong results at other sizes.
-    # Dynamo traced size-obliviously (wrapper.py), so hint the value it would have seen at size 2.
-    # Remove when Inductor stops specializing on hints of 0/1 for oblivious symbols.
-    # torch 2.13 renamed var_to_val to backed_var_to_val (the old name warns).
-    hints = getattr(shape_env, "backed_var_to_val", None)
-    if hints is None:
-        hints = shape_env.var_to_val
-    for symbol, hint in list(hints.items()):
-        if hint < 2:
-            hints[symbol] = sympy.Integer(2)
 
 
 def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:

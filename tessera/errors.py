@@ -15,7 +15,12 @@ class ConfigError(TesseraError, ValueError):
 
 
 class UnsupportedModelError(TesseraError):
-    """The model cannot be traced as one graph (graph break, data-dependent branch, ...)."""
+    """The model cannot be traced as one graph (graph break, data-dependent branch, ...).
+
+    ``dynamo_error`` holds Dynamo's own exception when there was one.
+    """
+
+    dynamo_error: BaseException | None = None
 
 
 class SizeNotCompiledError(TesseraError):

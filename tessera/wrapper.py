@@ -56,13 +56,18 @@ def mark_dynamic_dims(
     values = dict(bound.arguments)
     if bound_to is not None:
         values.pop(next(iter(signature.parameters)))
+    var_keyword = next(
+        (p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
+    if var_keyword is not None:  # forward(..., **kwargs): keyword tensors count by their own name
+        values.update(values.pop(var_keyword, {}))
     if dynamic_dims is None:
         wanted: dict[str, tuple[int, ...]] = {
             name: (0,) for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim()
         }
     else:
         unknown = sorted(set(dynamic_dims) - set(signature.parameters))
-        if unknown:
+        if unknown and var_keyword is None:
             raise ConfigError(
                 f"dynamic_dims names {unknown}, but {func.__qualname__} takes {list(signature.parameters)}"
             )
@@ -93,16 +98,9 @@ def mark_dynamic_dims(
 
 @contextlib.contextmanager
 def _single_trace_settings() -> Iterator[None]:
-    # Sizes 0/1 are specialized by Dynamo even when marked dynamic (torch <= 2.13); size-oblivious
-    # reasoning keeps the first call's size symbolic so a size-1 first call still gives a general
-    # graph. The flag exists on every torch we support (>= 2.6); drop this when Dynamo stops
-    # specializing 0/1 for marked dims.
-    fx_config = torch.fx.experimental._config
-    with contextlib.ExitStack() as stack:
-        if hasattr(fx_config, "backed_size_oblivious"):
-            stack.enter_context(fx_config.patch(backed_size_oblivious=True))  # type: ignore[attr-defined]
-        # One trace must never be refused for a full cache of earlier entries of this code.
-        stack.enter_context(torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
+    # One trace must never be refused for a full cache of earlier entries of this code. (Sizes
+    # 0/1 need no setting here: api.py never traces at them, see CompiledModel._compile.)
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
         yield
 
 
@@ -140,10 +138,12 @@ def trace_once(
     try:
         with _single_trace_settings():
             output = compiled(*args, **kwargs)
-    except torch._dynamo.exc.Unsupported as e:
-        raise UnsupportedModelError(describe_trace_failure(func, e)) from e
-    except torch._dynamo.exc.UserError as e:
-        raise UnsupportedModelError(describe_trace_failure(func, e)) from e
+    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+        # Users asked for the cause and the source line, not Dynamo's stack: the original error
+        # stays reachable as .dynamo_error instead of being printed as the cause.
+        error = UnsupportedModelError(describe_trace_failure(func, e))
+        error.dynamo_error = e
+        raise error from None
     except ConstraintViolationError as e:
         raise ConfigError(f"a dim in dynamic_dims cannot be dynamic: the code fixes its size. {e}") from e
     finally:

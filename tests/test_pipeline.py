@@ -9,7 +9,7 @@ import tessera
 from tessera.models import toy_llama
 from tests.custom_compiler import CountingCompiler
 
-SIZES = (1, 3, 16, 17, 64)
+SIZES = (3, 1, 16, 17, 64)  # first call at a general size: see test_size_one_first_call
 
 
 def _check_equal(compiled, model, sizes=SIZES):
@@ -32,7 +32,7 @@ def test_toy_llama_piece_structure_and_numbers(layers):
 def test_dispatch_records_show_which_artifact_served_each_size():
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[16], compile_ranges=[8])
-    _check_equal(compiled, model)  # 1, 3 -> [1,8]; 16 -> size 16; 17, 64 -> [9,max]
+    _check_equal(compiled, model)  # 3, 1 -> [1,8]; 16 -> size 16; 17, 64 -> [9,max]
     for record in compiled.pieces:
         if not record.is_splitting:
             assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 2, "range [9,max]": 2}
@@ -129,3 +129,16 @@ def test_legacy_fx_cache_compiler_is_refused_with_a_clear_error():
     compiled = tessera.compile(toy_llama.build(num_layers=1), backend="inductor_fx")
     with pytest.raises(tessera.CompilerError, match="use backend='inductor'"):
         compiled(*toy_llama.example_inputs(3))
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_size_one_first_call_runs_eagerly_and_defers_the_trace(backend):
+    """Dynamo would specialize a size-1 trace; the first general size traces instead."""
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend=backend)
+    with tessera.counters.expect(graphs_traced=0, backend_compilations=0):
+        _check_equal(compiled, model, sizes=(1, 1))
+    assert compiled.pieces == ()
+    with tessera.counters.expect(graphs_traced=1):
+        _check_equal(compiled, model, sizes=(5, 1, 2, 9))
+    assert dict(compiled.pieces[0].served) == {"general": 4}

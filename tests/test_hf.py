@@ -1,0 +1,111 @@
+"""Unmodified Hugging Face causal LMs (random weights, small configs): prefill and generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+from tessera import hf
+
+transformers = pytest.importorskip("transformers", reason="install tessera[hf] (make test does)")
+
+LAYERS = 2
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", SMALL),
+    "mistral": ("MistralConfig", "MistralForCausalLM", SMALL),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", SMALL),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**SMALL, "head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {**SMALL, "pad_token_id": 0}),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"vocab_size": 128, "n_embd": 64, "n_layer": LAYERS, "n_head": 4, "n_positions": 256},
+    ),
+}
+LENGTHS = (7, 1, 16, 33, 64)  # a first call of length 1 defers tracing (tested elsewhere)
+
+
+def build(family: str):
+    config_name, model_name, sizes = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**sizes, attn_implementation="sdpa")
+    return getattr(transformers, model_name)(config).eval(), config
+
+
+def check_prefill(family: str, backend: str) -> None:
+    model, _ = build(family)
+    compiled = hf.compile_causal_lm(model, backend=backend)
+    with tessera.counters.expect(graphs_traced=1):
+        for n in LENGTHS:
+            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
+            with torch.no_grad():
+                expected = model(input_ids=ids, use_cache=False).logits
+                got = compiled(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(got, expected, msg=lambda m, n=n: f"{family} length {n}: {m}")
+    assert len(compiled.pieces) == 2 * LAYERS + 1  # one SDPA call per layer
+    assert sum(p.is_splitting for p in compiled.pieces) == LAYERS
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_matches_eager_with_eager_compiler(family):
+    check_prefill(family, "eager")
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_prefill_matches_eager_with_inductor(family):
+    check_prefill(family, "inductor")
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [
+        ("llama", "eager"),
+        ("qwen2", "eager"),
+        pytest.param("llama", "inductor", marks=pytest.mark.inductor),
+        pytest.param("qwen2", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_greedy_generation_matches_eager_token_for_token(family, backend):
+    model, config = build(family)
+    prompt = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+
+    def cache():
+        return transformers.StaticCache(config=config, max_cache_len=64)
+
+    expected = hf.greedy_generate(model, model, prompt, cache(), 32)
+    prefill = hf.compile_causal_lm(model, backend=backend, prefix="prefill")
+    decode = hf.compile_causal_lm(model, backend=backend, prefix="decode", dynamic_sequence=False)
+    got = hf.greedy_generate(prefill, decode, prompt, cache(), 32)
+    assert got.shape == (1, 32)
+    assert torch.equal(got, expected)
+    assert prefill.cache_dir is not None and decode.cache_dir is not None
+    assert prefill.cache_dir.name == "prefill" and decode.cache_dir.name == "decode"
+    assert prefill.cache_dir.parents[2] == decode.cache_dir.parents[2]  # one cache root
+
+
+def test_data_dependent_branch_names_cause_and_source_line():
+    class Branchy(torch.nn.Module):
+        def forward(self, input_ids):
+            x = input_ids.float() * 2
+            if x.sum() > 0:  # data-dependent: cannot be one graph
+                return x + 1
+            return x - 1
+
+    compiled = tessera.compile(Branchy(), backend="eager")
+    with pytest.raises(tessera.UnsupportedModelError) as caught:
+        compiled(torch.ones(2, 4, dtype=torch.long))
+    message = str(caught.value)
+    assert "Data-dependent branching" in message
+    assert "test_hf.py" in message and "if x.sum() > 0:" in message
+    assert caught.value.__cause__ is None and caught.value.dynamo_error is not None
