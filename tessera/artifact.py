@@ -27,12 +27,13 @@ import torch.fx
 from tessera.cache import MODEL, atomic_write, rank_dir, report_damage, sha256_file
 from tessera.cachekey import SourceFile
 from tessera.config import CompileConfig, SizeRange
+from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 
 log = logging.getLogger(__name__)
 
 WARM_DIR = "warm"
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ModelArtifact:
     split_module: bytes  # pickle of the split GraphModule (pieces as plain submodules)
     pieces: tuple[PieceRecord, ...]
     splitting: tuple[str, ...]  # names of the splitting pieces
+    layouts: tuple[tuple[str, OutputLayout | None], ...]  # splitting piece -> output strides
     sources: tuple[SourceFile, ...]
 
 
@@ -135,6 +137,7 @@ def capture(
     pieces: Sequence[PieceRecord],
     splitting: Sequence[str],
     sources: Sequence[SourceFile],
+    layouts: Mapping[str, OutputLayout | None],
 ) -> ModelArtifact | None:
     """The artifact for a finished trace, or None when its bytecode needs globals we cannot rebuild."""
     compiled_fn = None
@@ -169,6 +172,7 @@ def capture(
         split_module=split_bytes,
         pieces=tuple(dataclasses.replace(p, served=()) for p in pieces),
         splitting=tuple(splitting),
+        layouts=tuple(layouts.items()),
         sources=tuple(sources),
     )
 

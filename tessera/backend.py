@@ -5,6 +5,7 @@ Data flow: FX graph → split module → fake propagation (records per piece) �
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,11 +23,14 @@ from tessera.cache import CacheEntry, open_entry
 from tessera.cachekey import SourceFile, collect_factors, graph_signature, traced_sources
 from tessera.compilers import Compiler, Size, size_label
 from tessera.config import CompileConfig
+from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
+from tessera.layout import LayoutKeeper, OutputLayout, output_layout
 from tessera.manager import CompilerManager
-from tessera.piece import PieceRecord, PieceRunner, find_size_source, specialize_inputs
+from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
 from tessera.split import SplitItem, default_splitting_ops, split_graph
 
 log = logging.getLogger(__name__)
+log_cudagraph = logging.getLogger("tessera.cudagraph")
 
 
 class PiecewiseBackend:
@@ -48,14 +52,19 @@ class PiecewiseBackend:
         self.manager = CompilerManager(compiler, config, None)
         self.store: CacheEntry | None = None
         self.sources: list[SourceFile] = []
+        # CUDA graphs: one backend (memory pool) for every piece and size of this model.
+        self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
+        self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
+        self.graph_pieces: list[CUDAGraphPiece] = []
+        self.layouts: dict[str, OutputLayout | None] = {}
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.split_gm: torch.fx.GraphModule | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         counters.bump("graphs_traced")
-        if self.config.mode == "trace_once":
-            specs: Sequence[Any] = ()
+        if self.config.mode == "trace_once" or self.config.cudagraph_mode == "full":
+            specs: Sequence[Any] = ()  # one piece: the whole graph (captured whole in "full")
         elif self.config.splitting_ops is None:
             specs = default_splitting_ops()
         else:
@@ -80,6 +89,9 @@ class PiecewiseBackend:
         fake_mode = next(
             (a.fake_mode for a in fake_args if isinstance(a, FakeTensor)), None
         ) or detect_fake_mode(example_inputs)
+        for item in items:
+            if item.is_splitting:
+                self.keep_layout(split_gm, item.name, output_layout(item.graph))
         start = time.perf_counter()
         calls = _piece_calls_from_meta(split_gm, items, list(example_inputs))
         if calls is not None:
@@ -113,9 +125,36 @@ class PiecewiseBackend:
     ) -> None:
         """Build the piece's runner and make the split module call it instead of the submodule."""
         runner = self.build(item, fake_args, real_args)
-        # The split module's code calls self.submod_N(...): an instance attribute shadows the
-        # submodule, so calls go straight to the runner while the GraphModule stays printable.
-        split_gm.__dict__[item.name] = runner
+        self.install(split_gm, self.records[item.name], runner)
+
+    def keep_layout(self, split_gm: torch.fx.GraphModule, name: str, layout: OutputLayout | None) -> None:
+        """Route a splitting piece through a LayoutKeeper (see layout.py); remember the layout."""
+        self.layouts[name] = layout
+        if layout is not None:
+            split_gm.__dict__[name] = LayoutKeeper(getattr(split_gm, name), layout)
+
+    def install(self, split_gm: torch.fx.GraphModule, record: PieceRecord, runner: PieceRunner) -> None:
+        """Make the split module call ``runner`` (under CUDA graphs when enabled) for this piece.
+
+        The split module's code calls self.submod_N(...): an instance attribute shadows the
+        submodule, so calls go straight to the runner while the GraphModule stays printable.
+        """
+        self.runners[record.name] = runner
+        call: Callable[..., Any] = runner
+        if self.graph_backend is not None and record.size_source is not None and record.dynamic is not None:
+            call = CUDAGraphPiece(
+                record.name,
+                runner,
+                record.size_source,
+                record.dynamic,
+                self.capture_sizes,
+                self.graph_backend,
+                first=not self.graph_pieces,
+                debug=log_cudagraph.isEnabledFor(logging.DEBUG),
+            )
+            self.graph_pieces.append(call)
+            self.records[record.name] = dataclasses.replace(record, cudagraph_sizes=self.capture_sizes)
+        split_gm.__dict__[record.name] = call
 
     def build(
         self,
@@ -150,7 +189,8 @@ class PiecewiseBackend:
             seconds.append((size_label(size_range), outcome.seconds))
 
         runner = PieceRunner(item.name, artifacts, source, config.max_size)
-        self.runners[item.name] = runner
+        returned = output.args[0] if returns_tuple else [output.args[0]]
+        outputs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in returned]
         self.records[item.name] = PieceRecord(
             name=item.name,
             index=item.index,
@@ -161,6 +201,7 @@ class PiecewiseBackend:
             sizes=tuple(sizes),
             ranges=tuple(ranges),
             compile_seconds=tuple(seconds),
+            dynamic=dynamic_inputs(fake_args, outputs),
         )
         return runner
 
@@ -186,8 +227,6 @@ def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem])
 
 
 def _with_served(record: PieceRecord, runner: PieceRunner) -> PieceRecord:
-    import dataclasses
-
     return dataclasses.replace(record, served=runner.served())
 
 

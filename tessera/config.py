@@ -121,6 +121,14 @@ class CompileConfig:
         _check_sizes("compile_ranges", self.compile_ranges, self.max_size, minimum=1)
         if self.cudagraph_capture_sizes is not None:
             _check_sizes("cudagraph_capture_sizes", self.cudagraph_capture_sizes, self.max_size, 1)
+        if self.cudagraph_mode != "none" and self.cudagraph_capture_sizes is not None:
+            missing = [s for s in self.compile_sizes if s not in self.cudagraph_capture_sizes]
+            if missing:
+                raise ConfigError(
+                    f"compile_sizes {missing} are not in cudagraph_capture_sizes: such calls would be "
+                    "padded to a larger capture size and never use their static artifact; add them to "
+                    "cudagraph_capture_sizes or drop them from compile_sizes"
+                )
         if not isinstance(self.inductor_config, dict) or not all(
             isinstance(k, str) for k in self.inductor_config
         ):

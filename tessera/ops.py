@@ -1,4 +1,4 @@
-"""tessera's own custom ops: ``tessera::attention``, the default splitting op.
+"""tessera's own custom ops: ``tessera::attention`` and ``tessera::decode_attention`` (splitting ops).
 
 The fake implementation lets Dynamo and Inductor trace through it without running it.
 """
@@ -27,4 +27,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 @attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("tessera::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step for a batch of sequences; writes this step's k/v into the caches in place.
+
+    q: [B, Hq, D], k/v: [B, Hkv, D], caches: [max_batch, max_len, Hkv, D] (row b is sequence b),
+    positions: [B] (where this token goes) → [B, Hq, D], attending to positions 0..positions[b].
+    """
+    batch = q.shape[0]
+    rows = torch.arange(batch, device=q.device)
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    keys, values = k_cache[:batch], v_cache[:batch]  # [B, T, Hkv, D]
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        keys = keys.repeat_interleave(groups, dim=2)
+        values = values.repeat_interleave(groups, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", q.float(), keys.float()) * scale
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] <= positions[:, None]  # [B, T]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("bht,bthd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
+
+
+@decode_attention.register_fake
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     return torch.empty_like(q)

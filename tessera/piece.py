@@ -31,6 +31,39 @@ class SizeSource:
 
 
 @dataclass(frozen=True)
+class DynamicInputs:
+    """Which inputs and outputs of a piece follow the runtime size (what CUDA graphs must pad).
+
+    ``tensor_dims[i]`` is the dim of input i that follows the size (None: fixed, e.g. a weight);
+    ``output_dims`` the same for each output tensor.
+    """
+
+    tensor_dims: tuple[int | None, ...]
+    symint_positions: tuple[int, ...]
+    output_dims: tuple[int | None, ...]
+
+
+def dynamic_inputs(example_inputs: Sequence[Any], example_outputs: Sequence[Any]) -> DynamicInputs:
+    """From fake example values: the first symbolic dim of each tensor, and the SymInt inputs."""
+
+    def dim_of(value: Any) -> int | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        for dim, extent in enumerate(value.shape):
+            if isinstance(extent, torch.SymInt) and not _is_constant(extent):
+                return dim
+        return None
+
+    return DynamicInputs(
+        tensor_dims=tuple(dim_of(v) for v in example_inputs),
+        symint_positions=tuple(
+            i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt) and not _is_constant(v)
+        ),
+        output_dims=tuple(dim_of(v) for v in example_outputs),
+    )
+
+
+@dataclass(frozen=True)
 class PieceRecord:
     """What tessera decided and did for one piece; ``compiled.pieces`` holds these."""
 
@@ -44,6 +77,8 @@ class PieceRecord:
     ranges: tuple[SizeRange, ...] = ()
     compile_seconds: tuple[tuple[str, float], ...] = ()
     served: tuple[tuple[str, int], ...] = ()
+    dynamic: DynamicInputs | None = None
+    cudagraph_sizes: tuple[int, ...] = ()
 
     @property
     def artifacts(self) -> tuple[str, ...]:

@@ -20,12 +20,12 @@ from tessera.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ATTENTION_OP = "tessera::attention"
+ATTENTION_OPS = ("tessera::attention", "tessera::decode_attention")
 
 
 def default_splitting_ops() -> tuple[SplittingOp, ...]:
-    """Attention as unmodified models call it, and tessera's own attention op."""
-    return (torch.nn.functional.scaled_dot_product_attention, ATTENTION_OP)
+    """Attention as unmodified models call it, and tessera's own attention ops."""
+    return (torch.nn.functional.scaled_dot_product_attention, *ATTENTION_OPS)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ def try_warm_start(
         model = artifact.load(entry_path)
         split_gm = pickle.loads(model.split_module)
         manager = CompilerManager(backend.compiler, backend.config, store)
+        for name, layout in model.layouts:
+            backend.keep_layout(split_gm, name, layout)
         for record in model.pieces:
             graph = getattr(split_gm, record.name)
             artifacts = {}
@@ -53,9 +55,8 @@ def try_warm_start(
                     raise artifact.WarmStartUnavailable(f"{record.name}: an artifact is missing")
                 artifacts[size] = outcome.fn
             runner = PieceRunner(record.name, artifacts, record.size_source, backend.config.max_size)
-            split_gm.__dict__[record.name] = runner
-            backend.runners[record.name] = runner
             backend.records[record.name] = record
+            backend.install(split_gm, record, runner)
         call = artifact.rebuild_call(model, func, bound_to, split_gm.forward)
     except artifact.WarmStartUnavailable as e:
         log.info("start without Dynamo not possible (%s); tracing", e)
@@ -90,6 +91,7 @@ def record_warm_start(
         [backend.records[i.name] for i in items if not i.is_splitting],
         [i.name for i in items if i.is_splitting],
         backend.sources,
+        backend.layouts,
     )
     if model is None:
         return

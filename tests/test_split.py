@@ -89,3 +89,18 @@ def test_getitem_stays_with_its_producer():
 def test_unknown_splitting_op_spec_is_a_config_error():
     with pytest.raises(tessera.ConfigError, match="cannot import"):
         split_graph(torch.fx.symbolic_trace(lambda x: x + 1), ["nosuchmodule.fn"])
+
+
+def test_layout_keeper_copies_outputs_into_the_traced_strides():
+    from tessera.layout import LayoutKeeper, OutputLayout
+    from tessera.piece import SizeSource
+
+    # Traced as a [s, 4] tensor with column-major strides (1, s); the real op returns row-major.
+    layout = OutputLayout(strides=(("1", "s0"),), symbol="s0", size_source=SizeSource(1))
+    keeper = LayoutKeeper(lambda x, n: x * 2, layout)
+    x = torch.randn(3, 4)
+    out = keeper(x, 3)
+    assert out.stride() == (1, 3)
+    torch.testing.assert_close(out, x * 2)
+    already = torch.randn(4, 3).t()  # [3, 4] with strides (1, 3): no copy needed
+    assert LayoutKeeper(lambda x, n: x, layout)(already, 3) is already

@@ -87,6 +87,27 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+class DecodeAttention(Attention):
+    """Attention for one new token per sequence, with this layer's KV cache updated in place."""
+
+    def __init__(self, config: ToyLlamaConfig, max_batch: int, max_len: int) -> None:
+        super().__init__(config)
+        cache_shape = (max_batch, max_len, config.num_kv_heads, config.head_dim)
+        self.k_cache: torch.Tensor
+        self.v_cache: torch.Tensor
+        self.register_buffer("k_cache", torch.zeros(cache_shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, hidden], positions: [B] (one token per sequence)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary(q.view(-1, self.num_heads, self.head_dim), positions)
+        k = self.rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = torch.ops.tessera.decode_attention(q, k, v, self.k_cache, self.v_cache, positions, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
 class MLP(nn.Module):
     def __init__(self, config: ToyLlamaConfig) -> None:
         super().__init__()
@@ -99,10 +120,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ToyLlamaConfig) -> None:
+    def __init__(self, config: ToyLlamaConfig, attn: nn.Module | None = None) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.eps)
-        self.attn = Attention(config)
+        self.attn = attn if attn is not None else Attention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.eps)
         self.mlp = MLP(config)
 
@@ -127,6 +148,38 @@ class ToyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return self.lm_head(self.norm(x))
+
+
+class ToyLlamaDecode(ToyLlama):
+    """``forward(input_ids [B], positions [B]) -> logits [B, vocab]``: one decode step for B
+    sequences (row b of every layer's KV cache is sequence b), caches updated in place."""
+
+    def __init__(self, config: ToyLlamaConfig, max_batch: int, max_len: int) -> None:
+        super().__init__(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, DecodeAttention(config, max_batch, max_len))
+            for _ in range(config.num_layers)
+        )
+
+    def reset_cache(self) -> None:
+        for module in self.modules():
+            if isinstance(module, DecodeAttention):
+                module.k_cache.zero_()
+                module.v_cache.zero_()
+
+
+def build_decode(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_batch: int = 64,
+    max_len: int = 128,
+    device: str | torch.device = "cpu",
+    **sizes: Any,
+) -> ToyLlamaDecode:
+    """A decode-shaped ToyLlama (deterministic random weights, empty KV caches) in eval mode."""
+    torch.manual_seed(seed)
+    model = ToyLlamaDecode(ToyLlamaConfig(**sizes), max_batch, max_len)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def build(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes: Any) -> ToyLlama:
