@@ -114,8 +114,7 @@ class CUDAGraphPiece:
         self.states: dict[int, _Captured] = {}
 
     def __call__(self, *args: Any) -> Any:
-        value = args[self.source.arg]
-        size = value if self.source.dim is None else value.shape[self.source.dim]
+        size = self.source.read(args)
         padded = padded_size(size, self.capture_sizes)
         if padded is None:  # above the largest capture size: no graph
             return self.fn(*args)
@@ -134,10 +133,7 @@ class CUDAGraphPiece:
         state.addresses = self._addresses(state.static_args)
         # Real inputs go in before capture too: a capture that executes (the CPU stand-in, or a
         # future backend) then computes exactly what the replay of this call will.
-        size = (
-            args[self.source.arg] if self.source.dim is None else args[self.source.arg].shape[self.source.dim]
-        )
-        self._fill(state, args, size)
+        self._fill(state, args, self.source.read(args))
         first = self.first and not any(s.graph is not None for s in self.states.values())
         state.graph, state.outputs = self.backend.capture(lambda: self.fn(*state.static_args), first)
         counters.bump("cudagraphs_captured")

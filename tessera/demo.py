@@ -66,6 +66,10 @@ def run_demo(layers: int = 4, hidden: int = 256, backend: str = "inductor") -> i
     with spinner(f"tracing and compiling (compile sizes {COMPILE_SIZES} + general)"), torch.no_grad():
         compiled(ids, pos)
 
+    counts = tessera.counters.snapshot()
+    if counts["inductor_compiles"] == 0 and counts["cache_hits"]:
+        traced = "no Dynamo trace" if counts["graphs_traced"] == 0 else "one Dynamo trace"
+        print(f"  warm start: {counts['cache_hits']} artifacts loaded from the cache, {traced}")
     print("\npieces:")
     print(f"  {'piece':<10} {'kind':<10} artifacts (compile seconds)")
     for piece in compiled.pieces:

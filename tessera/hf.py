@@ -56,27 +56,22 @@ def greedy_generate(
     ``transformers.StaticCache`` sized for the prompt plus ``max_new_tokens``. Returns the new
     tokens, shape [batch, max_new_tokens].
     """
-    length = input_ids.shape[1]
-    positions = torch.arange(length, device=input_ids.device)
-    with torch.no_grad():
-        logits = prefill(
-            input_ids=input_ids,
+
+    def next_token(step: Callable[..., Any], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        logits = step(
+            input_ids=ids,
             position_ids=positions.unsqueeze(0),
             cache_position=positions,
             past_key_values=cache,
             use_cache=True,
         ).logits
-        token = logits[:, -1:].argmax(-1)
+        return logits[:, -1:].argmax(-1)  # [batch, 1]
+
+    length = input_ids.shape[1]
+    with torch.no_grad():
+        token = next_token(prefill, input_ids, torch.arange(length, device=input_ids.device))
         generated = [token]
         for step in range(max_new_tokens - 1):
-            position = torch.tensor([length + step], device=input_ids.device)
-            logits = decode(
-                input_ids=token,
-                position_ids=position.unsqueeze(0),
-                cache_position=position,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits
-            token = logits[:, -1:].argmax(-1)
+            token = next_token(decode, token, torch.tensor([length + step], device=input_ids.device))
             generated.append(token)
     return torch.cat(generated, dim=1)

@@ -29,6 +29,11 @@ class SizeSource:
     arg: int
     dim: int | None = None
 
+    def read(self, args: Sequence[Any]) -> int:
+        """The runtime size in ``args``."""
+        value = args[self.arg]
+        return value if self.dim is None else value.shape[self.dim]  # type: ignore[no-any-return]
+
 
 @dataclass(frozen=True)
 class DynamicInputs:
@@ -124,6 +129,7 @@ class PieceRunner:
         if source is None:
             artifact = self._general
         else:
+            # SizeSource.read, inlined: this is the per-piece, per-call hot path.
             value = args[source.arg]
             size = value if source.dim is None else value.shape[source.dim]
             artifact = self._memo.get(size)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import time
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 import tessera
+from tessera.bench import header
 from tessera.models import toy_llama
 from tessera.timing import per_call_seconds
 
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         row["piecewise_over_reduce_overhead"] = row["tessera_piecewise_ms"] / row["reduce_overhead_ms"]
         rows.append(row)
     result = {
-        "benchmark": "decode_gpu",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **header("decode_gpu"),
         "model": {"layers": args.layers, "hidden": args.hidden, "dtype": "bfloat16"},
         "capture": extra,
         "rows": rows,

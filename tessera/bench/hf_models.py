@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from typing import Any
+
+from tessera.bench import header
 
 LENGTHS = (16, 64)
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "phi3", "gpt2")
@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
-    import torch
 
     rows = []
     for family in args.families:
@@ -127,14 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     result = {
-        "benchmark": "hf_models",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "cuda": torch.cuda.is_available(),
-        },
-        "torch": torch.__version__,
+        **header("hf_models"),
         "transformers": __import__("transformers").__version__,
         "model": "4 layers, width 256, 8 heads (4 kv), vocab 1024, random weights, batch 1",
         "rows": rows,

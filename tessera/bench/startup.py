@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from tessera.bench import header
 
 WIDTH: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 8, "num_kv_heads": 4}
 
@@ -102,17 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.layers[0], args.mega)
         return 0
-    import torch
 
     result = {
-        "benchmark": "startup",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "cuda": torch.cuda.is_available(),
-        },
-        "torch": torch.__version__,
+        **header("startup"),
         "model": {"family": "toy_llama", **WIDTH},
         "results": [measure(layers, args.repeats) for layers in args.layers],
     }

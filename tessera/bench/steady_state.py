@@ -6,14 +6,13 @@ Also the dispatch overhead of tessera with the ``eager`` compiler on a 12-layer 
 from __future__ import annotations
 
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
 import tessera
+from tessera.bench import header
 from tessera.models import toy_llama
 from tessera.timing import per_call_seconds
 
@@ -91,15 +90,7 @@ def main(quick: bool = False) -> int:
     repeats = 5 if quick else 15
     torch.manual_seed(0)
     result = {
-        "benchmark": "steady_state",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        },
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **header("steady_state"),
         "dispatch_overhead": dispatch_overhead(repeats),
         "inductor": inductor_latency(repeats),
     }
