@@ -5,7 +5,7 @@ Run on a CUDA machine: ``python benchmarks/decode_gpu.py > benchmarks/results/<d
 
 from __future__ import annotations
 
-from tessera.bench.decode_gpu import main
+from tessera.cli.bench.decode_gpu import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,7 +5,7 @@ Run: ``python benchmarks/hf_models.py [--families llama gpt2]`` (needs ``pip ins
 
 from __future__ import annotations
 
-from tessera.bench.hf_models import main
+from tessera.cli.bench.hf_models import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,7 +5,7 @@ Run: ``python benchmarks/startup.py [--layers 4 16] [--repeats N]``; prints JSON
 
 from __future__ import annotations
 
-from tessera.bench.startup import main
+from tessera.cli.bench.startup import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

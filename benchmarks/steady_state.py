@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from tessera.bench.steady_state import main
+from tessera.cli.bench.steady_state import main
 
 if __name__ == "__main__":
     raise SystemExit(main(quick="--quick" in sys.argv[1:]))

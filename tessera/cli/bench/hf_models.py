@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any
 
-from tessera.bench import header
+from tessera.cli.bench import header
 
 LENGTHS = (16, 64)
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "phi3", "gpt2")
@@ -87,7 +87,7 @@ def child(family: str, impl: str) -> dict[str, Any]:
 def _run(family: str, impl: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as inductor_dir:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
-        cmd = [sys.executable, "-m", "tessera.bench.hf_models", "--child", family, impl]
+        cmd = [sys.executable, "-m", "tessera.cli.bench.hf_models", "--child", family, impl]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{family}/{impl} failed:\n{proc.stderr[-3000:]}")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tessera.bench import header
+from tessera.cli.bench import header
 
 WIDTH: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 8, "num_kv_heads": 4}
 
@@ -51,7 +51,7 @@ def child(impl: str, layers: int, mega: str | None) -> None:
 
 def _run(impl: str, layers: int, inductor_dir: str, tessera_dir: str, mega: str | None) -> dict[str, Any]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir, TESSERA_CACHE_DIR=tessera_dir)
-    cmd = [sys.executable, "-m", "tessera.bench.startup", "--child", impl, "--layers", str(layers)]
+    cmd = [sys.executable, "-m", "tessera.cli.bench.startup", "--child", impl, "--layers", str(layers)]
     if mega:
         cmd += ["--mega", mega]
     start = time.time()

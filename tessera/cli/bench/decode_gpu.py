@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import tessera
-from tessera.bench import header
+from tessera.cli.bench import header
 from tessera.models import toy_llama
 from tessera.timing import per_call_seconds
 

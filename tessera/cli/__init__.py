@@ -1,6 +1,6 @@
-"""The ``tessera`` command line: demo, benchmark and cache tools (each a subcommand).
+"""The ``tessera`` command line: demo, benchmarks and cache tools (each a subcommand).
 
-Only this module and ``demo`` print; the library logs.
+Only this package prints (the demo, the benchmarks); the library logs.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command == "demo":
-        from tessera.demo import run_demo
+        from tessera.cli.demo import run_demo
 
         return run_demo(layers=args.layers, hidden=args.hidden, backend=args.backend)
     if args.command == "bench":
-        from tessera.bench.steady_state import main as bench_main
+        from tessera.cli.bench.steady_state import main as bench_main
 
         return bench_main(quick=args.quick)
     if args.command == "cache":
