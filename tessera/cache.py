@@ -155,11 +155,11 @@ class CacheEntry:
         factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
         self._ensure_file(FACTORS, factors_text.encode())
         self._ensure_file(GRAPH, graph_dump.encode())
-        for source in sources:
-            snapshot = self.path / "sources" / f"{Path(source.path).name}@{source.sha256[:12]}"
-            if not snapshot.exists():
-                with contextlib.suppress(OSError):
-                    atomic_write(snapshot, Path(source.path).read_bytes())
+        for source in sources:  # snapshots for `cache explain`, checked like every other file
+            with contextlib.suppress(OSError):
+                content = Path(source.path).read_bytes()
+                if hashlib.sha256(content).hexdigest() == source.sha256:
+                    self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
 
     def _read_index(self) -> None:
         problem = self._load_index()
@@ -200,6 +200,7 @@ class CacheEntry:
             return
         if self.existed:
             self.report_damage(name, "missing" if actual is None else "content does not match its key")
+        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, expected)
         self._record_file(name, digest)
 
@@ -239,7 +240,7 @@ class CacheEntry:
         if problem is not None:
             entry.report_damage(INDEX, problem)
             return None
-        for name in (FACTORS, GRAPH):
+        for name in sorted({FACTORS, GRAPH, *entry.files}):
             try:
                 actual = hashlib.sha256((path / name).read_bytes()).hexdigest()
             except FileNotFoundError:

@@ -64,12 +64,24 @@ def _damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["truncate", "random", "delete"])
 @pytest.mark.parametrize(
     "which",
-    ["index.py", "cache_key_factors.json", "computation_graph.py", "model_artifact.pkl", "artifact"],
+    [
+        "index.py",
+        "cache_key_factors.json",
+        "computation_graph.py",
+        "model_artifact.pkl",
+        "artifact",
+        "source",
+    ],
 )
 def test_damaged_file_is_reported_once_rebuilt_and_then_hits(which, how):
     first, _, _ = fresh_counts()
     entry = first.cache_dir
-    target = sorted((entry / "artifacts").glob("*.bin"))[0] if which == "artifact" else entry / which
+    if which == "artifact":
+        target = sorted((entry / "artifacts").glob("*.bin"))[0]
+    elif which == "source":
+        (target,) = (entry / "sources").iterdir()
+    else:
+        target = entry / which
     _damage(target, how)
 
     with warnings.catch_warnings(record=True) as caught:
