@@ -198,7 +198,9 @@ class CacheEntry:
             if self.files.get(name) != digest:
                 self._record_file(name, digest)
             return
-        if self.existed:
+        # Damage only where the index vouches for the file: another process may be creating this
+        # entry right now, and a file it has not written yet is not a damaged one.
+        if self.files.get(name) is not None:
             self.report_damage(name, "missing" if actual is None else "content does not match its key")
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, expected)
@@ -240,7 +242,9 @@ class CacheEntry:
         if problem is not None:
             entry.report_damage(INDEX, problem)
             return None
-        for name in sorted({FACTORS, GRAPH, *entry.files}):
+        if not {FACTORS, GRAPH} <= set(entry.files):
+            return None  # not finished by the process that made it: take the traced path
+        for name in sorted(entry.files):
             try:
                 actual = hashlib.sha256((path / name).read_bytes()).hexdigest()
             except FileNotFoundError:
