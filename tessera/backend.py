@@ -109,7 +109,7 @@ class PiecewiseBackend:
         self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]
     ) -> CacheEntry:
         assert self.cache_root is not None, "_open_store needs a cache root"
-        sources = traced_sources(torch._guards.TracingContext.get_traced_code() or ())
+        sources = traced_sources(_traced_code(gm))
         self.sources = sources
         factors = collect_factors(
             self.config, self.compiler.name, self.compiler.compute_hash(), sources, graph_signature(gm)
@@ -255,6 +255,26 @@ class _Propagator(torch.fx.Interpreter):
             real_args = [self.real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in n.args]
             self.backend._install(self.module, item, fake_args, real_args)  # type: ignore[arg-type]
         return result
+
+
+def _traced_code(gm: torch.fx.GraphModule) -> list[Any]:
+    """The code objects Dynamo traced for this graph (for the cache key's source files).
+
+    TracingContext.get_traced_code() is the API (torch 2.13); its list attribute is read where
+    the method is missing. Failing both, the files named in the graph's stack traces are used.
+    """
+    context = torch._guards.TracingContext
+    getter = getattr(context, "get_traced_code", None)
+    if getter is not None:
+        return list(getter() or ())
+    current = context.try_get()
+    codes = getattr(current, "traced_code", None) if current is not None else None
+    if codes:
+        return list(codes)
+    log.warning("this torch does not list traced code; the cache key covers files named in the graph")
+    files = {n.meta.get("stack_trace", "") for n in gm.graph.nodes}
+    names = {line.split('"')[1] for trace in files for line in trace.splitlines() if 'File "' in line}
+    return [compile("", name, "exec") for name in sorted(names)]
 
 
 def _piece_calls_from_meta(
