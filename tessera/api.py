@@ -40,7 +40,7 @@ def compile(
 
     Nothing is traced until the first call; keyword ``overrides`` replace ``config`` fields.
     """
-    config = (config or CompileConfig()).replace(**overrides) if overrides else (config or CompileConfig())
+    config = (config or CompileConfig()).replace(**overrides)
     if prefix is not None and (not prefix or "/" in prefix or prefix.startswith(".")):
         raise ConfigError(f"prefix={prefix!r} must be a plain directory name such as 'backbone'")
     return CompiledModel(model, config, dynamic_dims, prefix)

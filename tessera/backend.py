@@ -5,6 +5,7 @@ Data flow: FX graph → split module → fake propagation (records per piece) �
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -99,7 +100,7 @@ class PiecewiseBackend:
                 self._install(split_gm, item, piece_fake, piece_real)
         else:  # some input lacks Dynamo's example value: run the split module on fake tensors
             propagator = _Propagator(split_gm, self, items, list(example_inputs))
-            with fake_mode if fake_mode is not None else _nullcontext():
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
                 propagator.run(*fake_args)
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), time.perf_counter() - start)
         # forward, not __call__: skips nn.Module call machinery on every step.
@@ -310,11 +311,3 @@ def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> lis
     fake_mode = detect_fake_mode(example_inputs)
     assert fake_mode is not None, "no fake mode found for the traced graph's inputs"
     return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

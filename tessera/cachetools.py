@@ -202,8 +202,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def in_use(path: Path) -> bool:
-    with exclusive_if_unused(path) as free:
-        return not free

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from tessera.config import SplittingOp, op_name
+from tessera.config import SplittingOp
 from tessera.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,3 @@ def split_graph(
         assert isinstance(module, torch.fx.GraphModule), f"{name} is not a GraphModule"
         items.append(SplitItem(name, index, piece_id in splitting_ids, module))
     return split_gm, items
-
-
-def describe_ops(specs: Sequence[SplittingOp]) -> list[str]:
-    """Names of the splitting op specs, for logs and ``tessera inspect``."""
-    return [op_name(spec) for spec in specs]

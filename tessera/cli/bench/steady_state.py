@@ -19,10 +19,6 @@ from tessera.timing import per_call_seconds
 SIZES = (1, 16, 64)
 
 
-def _stock(model: torch.nn.Module, backend: str) -> Any:
-    return torch.compile(model, backend=backend, dynamic=True)
-
-
 def inductor_latency(repeats: int) -> dict[str, Any]:
     """Toy Llama (4 layers, width 256): per-call seconds for eager, stock and tessera."""
     sizes: dict[str, Any] = {
@@ -34,7 +30,7 @@ def inductor_latency(repeats: int) -> dict[str, Any]:
     }
     model = toy_llama.build(**sizes)
     ours = tessera.compile(model, backend="inductor", compile_sizes=list(SIZES), disable_cache=True)
-    stock = _stock(model, "inductor")
+    stock = torch.compile(model, backend="inductor", dynamic=True)
     with torch.no_grad():
         ours(*toy_llama.example_inputs(8))
         stock(*toy_llama.example_inputs(8))
