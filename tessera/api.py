@@ -1,6 +1,7 @@
 """``tessera.compile`` and the ``CompiledModel`` it returns: the public entry point.
 
-Chooses the mode's path (none / stock / trace_once / piecewise) and runs the first call.
+Chooses the mode's path (none / stock / trace_once / piecewise) and runs the first call: a warm
+start from the whole-model artifact when there is one, else the one Dynamo trace.
 """
 
 from __future__ import annotations
@@ -8,22 +9,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tessera import artifact, counters
+from tessera import counters
 from tessera.backend import PiecewiseBackend
-from tessera.cache import cache_root
-from tessera.compilers import make_compiler
+from tessera.cache.artifact import WarmStartUnavailable
+from tessera.cache.key import fingerprint
+from tessera.cache.store import cache_root, rank_dir
+from tessera.compilers import make_compiler, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 from tessera.piece import PieceRecord
-from tessera.split import SplitItem
-from tessera.warmstart import record_warm_start, try_warm_start
-from tessera.wrapper import DynamicDims, mark_dynamic_dims, split_callable, trace_once
+from tessera.wrapper import (
+    DynamicDims,
+    bind_arguments,
+    choose_dynamic_dims,
+    mark_dynamic,
+    split_callable,
+    trace_once,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,28 +71,30 @@ class CompiledModel:
         self._dynamic_dims = dynamic_dims
         self._lock = threading.Lock()
         self._backend: PiecewiseBackend | None = None
-        self._items: list[SplitItem] = []
-        self._cache_dir: Path | None = None
         self._call: Callable[..., Any] = self._first_call
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
-        self._traced: bool | None = None
+        self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
+        self.warm_start_refused: str | None = None  # why the whole-model artifact was not used
         self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
     @property
+    def name(self) -> str:
+        return self.prefix or self._func.__qualname__
+
+    @property
     def pieces(self) -> tuple[PieceRecord, ...]:
         """One frozen record per piece (empty before the first call and in modes without pieces)."""
-        if self._backend is None:
-            return ()
-        return self._backend.pieces(self._items)
+        return () if self._backend is None else self._backend.pieces()
 
     @property
     def cache_dir(self) -> Path | None:
         """Where this model's artifacts live; None when the cache is disabled or not yet used."""
-        return self._cache_dir
+        backend = self._backend
+        return backend.store.path if backend is not None and backend.store is not None else None
 
     @property
     def split_graph(self) -> torch.fx.GraphModule | None:
@@ -107,21 +117,19 @@ class CompiledModel:
     def _log_start(self) -> None:
         """One line per model: cold or warm, how long, what was loaded and compiled, where."""
         backend = self._backend
-        name = self.prefix or self._func.__qualname__
         if backend is None:
-            log.info("%s: mode %s ready in %.2fs", name, self.config.mode, self.first_call_seconds)
+            log.info("%s: mode %s ready in %.2fs", self.name, self.config.mode, self.first_call_seconds)
             return
-        manager = backend.manager
-        kind = "warm" if manager.compiled == 0 and manager.loaded > 0 else "cold"
+        kind = "warm" if backend.compiled == 0 and backend.loaded > 0 else "cold"
         log.info(
             "%s: %s start in %.2fs (%s; %d artifact(s) loaded, %d compiled; cache %s)",
-            name,
+            self.name,
             kind,
             self.first_call_seconds,
-            "no Dynamo trace" if self._traced is False else "one Dynamo trace",
-            manager.loaded,
-            manager.compiled,
-            self._cache_dir or "disabled",
+            "no Dynamo trace" if self.warm_start else "one Dynamo trace",
+            backend.loaded,
+            backend.compiled,
+            self.cache_dir or "disabled",
         )
 
     def _compile(
@@ -131,35 +139,39 @@ class CompiledModel:
         mode = self.config.mode
         if mode == "none":
             return self.model(*args, **kwargs), self.model
-        self.marked_dims, arguments = mark_dynamic_dims(
-            self._func, self._bound_to, args, kwargs, self._dynamic_dims
-        )
+        values = bind_arguments(self._func, self._bound_to, args, kwargs)
+        choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
+        self.marked_dims = list(choice.dims)
         if mode == "stock":
+            mark_dynamic(values, choice)
             compiled = torch.compile(self.model, backend=_counting_backend(self.config.backend))
             return compiled(*args, **kwargs), compiled
         compiler = make_compiler(self.config.backend)
         root = None if self.config.disable_cache else cache_root(self.config.cache_dir)
         prefix = self.prefix or "model"
-        backend = PiecewiseBackend(self.config, compiler, root, prefix, on_graph=self._on_graph)
-        self._backend = backend
         print_ = None
         if root is not None:
-            print_ = artifact.fingerprint(
+            print_ = fingerprint(
                 self._func,
                 self._bound_to,
-                arguments,
-                self.marked_dims,
+                values,
+                choice.dims,
                 self.config,
-                compiler.compute_hash(),
+                warm_hash(compiler),
                 prefix,
+                rank_dir(),
             )
-            warm = try_warm_start(backend, root, print_, self._func, self._bound_to)
-            if warm is not None:
-                call, self._items = warm
-                self._traced = False
-                self._cache_dir = backend.store.path if backend.store is not None else None
+            try:
+                self._backend, call = PiecewiseBackend.from_artifact(
+                    self.config, compiler, root, prefix, print_, self._func, self._bound_to
+                )
+            except WarmStartUnavailable as e:
+                self.warm_start_refused = str(e)
+                log.info("%s: no start from the whole-model artifact (%s); tracing once", self.name, e)
+            else:
+                self.warm_start = True
                 return call(*args, **kwargs), call
-        degenerate = [(n, d) for n, d in self.marked_dims if arguments[n].shape[d] < 2]
+        degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
         if degenerate:
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
             # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
@@ -167,20 +179,19 @@ class CompiledModel:
             if not self._deferred:
                 log.info(
                     "%s: first call has dynamic size < 2 at %s; runs eagerly, compiles at a size >= 2",
-                    self.prefix or self._func.__qualname__,
+                    self.name,
                     degenerate,
                 )
             self._deferred += 1
-            self._backend = None
             return self.model(*args, **kwargs), None
+        backend = PiecewiseBackend(self.config, compiler, root, prefix)
+        mark_dynamic(values, choice)
         output, call, code = trace_once(self._func, self._bound_to, backend, args, kwargs)
-        if print_ is not None and root is not None and backend.store is not None:
-            self._cache_dir = backend.store.path
-            record_warm_start(backend, root, print_, self._func, code, self._items)
+        self._backend = backend
+        self.warm_start = False
+        if print_ is not None:
+            backend.save_artifact(print_, self._func, code)
         return output, call
-
-    def _on_graph(self, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> None:
-        self._items = list(items)
 
 
 def _counting_backend(name: str) -> Callable[..., Any]:
@@ -189,7 +200,9 @@ def _counting_backend(name: str) -> Callable[..., Any]:
             f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
             "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
         )
-    inner = torch._dynamo.lookup_backend(name)
+    from tessera import _compat
+
+    inner = _compat.dynamo().lookup_backend(name)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         counters.bump("graphs_traced")

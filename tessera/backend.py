@@ -1,68 +1,75 @@
-"""The Dynamo backend of ``piecewise`` and ``trace_once``: split, propagate, build piece runners.
+"""``PiecewiseBackend``: the one owner of a compiled model's pieces, from a trace or from the cache.
 
-Data flow: FX graph → split module → fake propagation (records per piece) → runners swapped in.
+Trace path: Dynamo calls it with the traced graph → split module → per-piece records from the
+example values → runners (compiled or loaded per size) swapped into the split module. Warm path:
+``from_artifact`` builds the same state from the whole-model artifact, without Dynamo. Either way
+the backend writes its own whole-model artifact (``save_artifact``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
+import pickle
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
 
-from tessera import counters
-from tessera.cache import CacheEntry, open_entry
-from tessera.cachekey import SourceFile, collect_factors, graph_signature, traced_sources
-from tessera.compilers import Compiler, Size, size_label
-from tessera.config import CompileConfig
+from tessera import _compat, counters
+from tessera.cache import artifact as model_artifact
+from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
+from tessera.cache.key import SourceFile, collect_factors, graph_signature, piece_content, traced_sources
+from tessera.cache.store import CacheEntry, EntryUnusable
+from tessera.compilers import Compiler
+from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
 from tessera.manager import CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
 from tessera.split import SplitItem, default_splitting_ops, split_graph
+from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
 
 
 class PiecewiseBackend:
-    """Called by Dynamo once with the traced graph; returns the callable that replaces it."""
+    """Splits, compiles or loads, and dispatches the pieces of one model."""
 
     def __init__(
-        self,
-        config: CompileConfig,
-        compiler: Compiler,
-        cache_root: Path | None,
-        prefix: str,
-        on_graph: Callable[[torch.fx.GraphModule, Sequence[SplitItem]], None] | None = None,
+        self, config: CompileConfig, compiler: Compiler, cache_root: Path | None, prefix: str
     ) -> None:
         self.config = config
         self.compiler = compiler
         self.cache_root = cache_root
         self.prefix = prefix
-        self.on_graph = on_graph
         self.manager = CompilerManager(compiler, config, None)
         self.store: CacheEntry | None = None
         self.sources: list[SourceFile] = []
+        self.items: list[SplitItem] = []  # trace path only
+        self.order: list[tuple[str, bool]] = []  # every piece in order: (name, is_splitting)
+        self.split_gm: torch.fx.GraphModule | None = None  # trace path only
+        self.split_forward: Callable[..., Any] | None = None  # what the model's bytecode calls
+        self.layouts: dict[str, OutputLayout | None] = {}
+        self.records: dict[str, PieceRecord] = {}
+        self.runners: dict[str, PieceRunner] = {}
+        self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
-        self.layouts: dict[str, OutputLayout | None] = {}
-        self.records: dict[str, PieceRecord] = {}
-        self.runners: dict[str, PieceRunner] = {}
-        self.split_gm: torch.fx.GraphModule | None = None
+        if cache_root is not None and hasattr(compiler, "use_machine_record"):
+            compiler.use_machine_record(cache_root)
 
+    # -- trace path ----------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Dynamo's backend entry point: called once with the traced graph."""
         counters.bump("graphs_traced")
         if self.config.mode == "trace_once" or self.config.cudagraph_mode == "full":
             specs: Sequence[Any] = ()  # one piece: the whole graph (captured whole in "full")
@@ -71,7 +78,8 @@ class PiecewiseBackend:
         else:
             specs = self.config.splitting_ops
         split_gm, items = split_graph(gm, specs)
-        self.split_gm = split_gm
+        self.split_gm, self.items = split_gm, list(items)
+        self.order = [(item.name, item.is_splitting) for item in items]
         counters.bump("pieces", len(items))
         counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
         log.debug(
@@ -80,143 +88,243 @@ class PiecewiseBackend:
             len(items),
             sum(not item.is_splitting for item in items),
         )
-        if self.on_graph is not None:
-            self.on_graph(split_gm, items)
         if self.cache_root is not None:
-            self.store = self._open_store(gm, split_gm, items)
+            self.sources = traced_sources(_traced_code(gm))
+            factors = collect_factors(
+                self.config,
+                self.compiler.name,
+                self.compiler.compute_hash(),
+                self.sources,
+                graph_signature(gm),
+            )
+            self.store = CacheEntry.create(
+                self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), self.sources
+            )
             self.manager = CompilerManager(self.compiler, self.config, self.store)
-
-        fake_args = _fake_inputs(gm, example_inputs)
-        fake_mode = next(
-            (a.fake_mode for a in fake_args if isinstance(a, FakeTensor)), None
-        ) or detect_fake_mode(example_inputs)
         for item in items:
             if item.is_splitting:
-                self.keep_layout(split_gm, item.name, output_layout(item.graph))
+                # The split module calls self.submod_N(...): an instance attribute shadows the
+                # submodule, so calls go straight to ours while the GraphModule stays printable.
+                kept = self._layout_kept(item.name, item.graph.forward, output_layout(item.graph))
+                split_gm.__dict__[item.name] = kept
         start = time.perf_counter()
-        calls = _piece_calls_from_meta(split_gm, items, list(example_inputs))
-        if calls is not None:
-            for item, piece_fake, piece_real in calls:
-                self._install(split_gm, item, piece_fake, piece_real)
-        else:  # some input lacks Dynamo's example value: run the split module on fake tensors
-            propagator = _Propagator(split_gm, self, items, list(example_inputs))
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                propagator.run(*fake_args)
+        for item, fake_args, real_args in _piece_calls(split_gm, items, list(example_inputs)):
+            self._build(split_gm, item, fake_args, real_args)
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), time.perf_counter() - start)
         # forward, not __call__: skips nn.Module call machinery on every step.
+        self.split_forward = split_gm.forward
         return split_gm.forward
 
-    def _open_store(
-        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]
-    ) -> CacheEntry:
-        assert self.cache_root is not None, "_open_store needs a cache root"
-        sources = traced_sources(_traced_code(gm))
-        self.sources = sources
-        factors = collect_factors(
-            self.config, self.compiler.name, self.compiler.compute_hash(), sources, graph_signature(gm)
-        )
-        return open_entry(self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), sources)
-
-    def _install(
+    def _build(
         self,
         split_gm: torch.fx.GraphModule,
         item: SplitItem,
         fake_args: Sequence[Any],
         real_args: Sequence[Any | None],
     ) -> None:
-        """Build the piece's runner and make the split module call it instead of the submodule."""
-        runner = self.build(item, fake_args, real_args)
-        self.install(split_gm, self.records[item.name], runner)
-
-    def keep_layout(self, split_gm: torch.fx.GraphModule, name: str, layout: OutputLayout | None) -> None:
-        """Route a splitting piece through a LayoutKeeper (see layout.py); remember the layout."""
-        self.layouts[name] = layout
-        # The eager compiler runs pieces as Python: any layout is fine, so no copies, no checks.
-        if layout is not None and self.compiler.name != "eager":
-            split_gm.__dict__[name] = LayoutKeeper(getattr(split_gm, name), layout)
-
-    def install(self, split_gm: torch.fx.GraphModule, record: PieceRecord, runner: PieceRunner) -> None:
-        """Make the split module call ``runner`` (under CUDA graphs when enabled) for this piece.
-
-        The split module's code calls self.submod_N(...): an instance attribute shadows the
-        submodule, so calls go straight to the runner while the GraphModule stays printable.
-        """
-        self.runners[record.name] = runner
-        call: Callable[..., Any] = runner
-        if self.graph_backend is not None and record.size_source is not None and record.dynamic is not None:
-            call = CUDAGraphPiece(
-                record.name,
-                runner,
-                record.size_source,
-                record.dynamic,
-                self.capture_sizes,
-                self.graph_backend,
-                first=not self.graph_pieces,
-                debug=log_cudagraph.isEnabledFor(logging.DEBUG),
-            )
-            self.graph_pieces.append(call)
-            self.records[record.name] = dataclasses.replace(record, cudagraph_sizes=self.capture_sizes)
-        split_gm.__dict__[record.name] = call
-
-    def build(
-        self,
-        item: SplitItem,
-        fake_args: Sequence[Any],
-        real_args: Sequence[Any | None],
-    ) -> PieceRunner:
-        """Compile (or load) every artifact of one non-splitting piece and make its runner."""
+        """Compile (or load) every artifact of one non-splitting piece and install its runner."""
         config = self.config
         output = next(iter(reversed(item.graph.graph.nodes)))
         returns_tuple = isinstance(output.args[0], (tuple, list))
         source = find_size_source(fake_args)
-        sizes = config.compile_sizes if source is not None else ()
-        ranges = config.ranges if source is not None else ()
+        sizes: tuple[Size, ...] = (None,)
+        if source is not None:
+            sizes = (None, *config.compile_sizes, *config.ranges)
+        content = piece_content(item.graph, fake_args)
+        self.contents[item.name] = content
         artifacts: dict[Size, Callable[..., Any]] = {}
         seconds = []
-        general = self.manager.get(item.graph, lambda: fake_args, None, item.index)
-        artifacts[None] = general.fn
-        seconds.append((size_label(None), general.seconds))
         for size in sizes:
+            inputs: Callable[[], Sequence[Any]] = lambda: fake_args  # noqa: E731
+            if isinstance(size, int):
+                inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
             outcome = self.manager.get(
-                item.graph,
-                functools.partial(specialize_inputs, item.name, fake_args, real_args, size),
-                size,
-                item.index,
+                item.graph, inputs, size, item.index, self.manager.content_key(content, size)
             )
             artifacts[size] = outcome.fn
             seconds.append((size_label(size), outcome.seconds))
-        for size_range in ranges:
-            outcome = self.manager.get(item.graph, lambda: fake_args, size_range, item.index)
-            artifacts[size_range] = outcome.fn
-            seconds.append((size_label(size_range), outcome.seconds))
-
-        runner = PieceRunner(item.name, artifacts, source, config.max_size)
         returned = output.args[0] if returns_tuple else [output.args[0]]
         outputs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in returned]
-        self.records[item.name] = PieceRecord(
+        record = PieceRecord(
             name=item.name,
             index=item.index,
             is_splitting=False,
             sym_positions=tuple(i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)),
             returns_tuple=returns_tuple,
             size_source=source,
-            sizes=tuple(sizes),
-            ranges=tuple(ranges),
+            sizes=tuple(config.compile_sizes) if source is not None else (),
+            ranges=tuple(config.ranges) if source is not None else (),
             compile_seconds=tuple(seconds),
             dynamic=dynamic_inputs(fake_args, outputs),
         )
-        return runner
+        runner = PieceRunner(item.name, artifacts, source, config.max_size)
+        split_gm.__dict__[item.name] = self._install_runner(record, runner)
 
-    def pieces(self, items: Sequence[SplitItem]) -> tuple[PieceRecord, ...]:
+    # -- warm path -----------------------------------------------------------------------------
+    @classmethod
+    def from_artifact(
+        cls,
+        config: CompileConfig,
+        compiler: Compiler,
+        cache_root: Path,
+        prefix: str,
+        fingerprint: str,
+        func: types.FunctionType,
+        bound_to: object | None,
+    ) -> tuple[PiecewiseBackend, Callable[..., Any]]:
+        """A complete backend and the model's callable, rebuilt from the whole-model artifact.
+
+        Raises WarmStartUnavailable (the reason) without side effects on any other backend.
+        """
+        entry_path = model_artifact.read_pointer(cache_root, fingerprint)
+        if entry_path is None:
+            raise WarmStartUnavailable("no whole-model artifact for this model yet")
+        try:
+            store = CacheEntry.open_existing(entry_path)
+            saved = model_artifact.loads(store.read_model())
+        except EntryUnusable as e:
+            raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
+        backend = cls(config, compiler, cache_root, prefix)
+        backend.store = store
+        backend.manager = CompilerManager(compiler, config, store)
+        backend.sources = list(saved.sources)
+        try:
+            call = backend._rebuild(saved, func, bound_to)
+        except NotPortable as e:
+            raise WarmStartUnavailable(str(e)) from e
+        counters.bump("pieces", len(backend.order))
+        counters.bump("compiled_pieces", len(saved.pieces))
+        return backend, call
+
+    def _rebuild(
+        self, saved: ModelArtifact, func: types.FunctionType, bound_to: object | None
+    ) -> Callable[..., Any]:
+        """Runners, splitting pieces and the split module's forward from a whole-model artifact."""
+        graphs = {content: blob for content, blob in saved.graphs}
+        graph_of = dict(saved.piece_graphs)
+        unpickled: dict[str, torch.fx.GraphModule] = {}
+        needs_graph = not getattr(self.compiler, "loads_without_graph", False)
+        attributes: dict[str, Any] = {}
+        for record in saved.pieces:
+            graph = None
+            if needs_graph:
+                content = graph_of.get(record.name)
+                if content is None:
+                    raise WarmStartUnavailable(f"{record.name}: its graph was not saved")
+                if content not in unpickled:  # identical pieces share one graph
+                    unpickled[content] = pickle.loads(graphs[content])
+                graph = unpickled[content]
+            artifacts = {}
+            for size in (None, *record.sizes, *record.ranges):
+                outcome = self.manager.load_only(graph, size, record.index)  # type: ignore[arg-type]
+                if outcome is None:
+                    raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): its artifact is missing")
+                artifacts[size] = outcome.fn
+            attributes[record.name] = self._install_runner(
+                record, PieceRunner(record.name, artifacts, record.size_source, self.config.max_size)
+            )
+        built: dict[str, Callable[..., Any]] = {}
+        layouts = dict(saved.layouts)
+        for name, module in saved.modules:
+            if module.source not in built:  # identical splitting pieces: one exec
+                built[module.source] = module.build({})
+            attributes[name] = self._layout_kept(name, built[module.source], layouts.get(name))
+        forward = saved.split_module.build(attributes)
+        names = sorted(attributes, key=lambda n: int(n.rsplit("_", 1)[1]))
+        splitting = {name for name, _ in saved.modules}
+        self.order = [(n, n in splitting) for n in names]
+        self.split_forward = forward
+        return rebuild_call(saved.code, func, bound_to, forward)
+
+    # -- the whole-model artifact --------------------------------------------------------------
+    def save_artifact(self, fingerprint: str, func: types.FunctionType, code: types.CodeType) -> None:
+        """After a trace: write the whole-model artifact and the fingerprint's pointer to it."""
+        store, split_gm = self.store, self.split_gm
+        if store is None or split_gm is None or self.cache_root is None:
+            return
+        unsaved = [i.name for i in self.items if not i.is_splitting and not self._saved(i)]
+        if unsaved:
+            log.info(
+                "no whole-model artifact: %s cannot be saved by compiler %s", unsaved, self.compiler.name
+            )
+            return
+        try:
+            portable: PortableCode = capture_code(code, func)
+            saved: ModelArtifact = model_artifact.make(
+                portable,
+                split_gm,
+                [self.records[i.name] for i in self.items if not i.is_splitting],
+                [i.name for i in self.items if i.is_splitting],
+                list(self.layouts.items()),
+                self.sources,
+                None if getattr(self.compiler, "loads_without_graph", False) else self.contents,
+            )
+        except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
+            log.info("no whole-model artifact (the next process traces again): %s", e)
+            return
+        store.write_model(model_artifact.dumps(saved))
+        model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
+
+    def _saved(self, item: SplitItem) -> bool:
+        record = self.records.get(item.name)
+        if record is None or self.store is None:
+            return False
+        entries = self.store.index.entries
+        return all(
+            (key, item.index, self.compiler.name) in entries
+            for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
+        )
+
+    # -- shared ------------------------------------------------------------------------------------
+    def _layout_kept(
+        self, name: str, fn: Callable[..., Any], layout: OutputLayout | None
+    ) -> Callable[..., Any]:
+        """A splitting piece, through a LayoutKeeper when its outputs' layout matters (layout.py)."""
+        self.layouts[name] = layout
+        # The eager compiler runs pieces as Python: any layout is fine, so no copies, no checks.
+        if layout is not None and self.compiler.name != "eager":
+            return LayoutKeeper(fn, layout)
+        return fn
+
+    def _install_runner(self, record: PieceRecord, runner: PieceRunner) -> Callable[..., Any]:
+        """What the split module calls for this piece: the runner, under CUDA graphs when enabled."""
+        self.runners[record.name] = runner
+        self.records[record.name] = record
+        if self.graph_backend is None or record.size_source is None or record.dynamic is None:
+            return runner
+        call = CUDAGraphPiece(
+            record.name,
+            runner,
+            record.size_source,
+            record.dynamic,
+            self.capture_sizes,
+            self.graph_backend,
+            first=not self.graph_pieces,
+            debug=log_cudagraph.isEnabledFor(logging.DEBUG),
+        )
+        self.graph_pieces.append(call)
+        self.records[record.name] = dataclasses.replace(record, cudagraph_sizes=self.capture_sizes)
+        return call
+
+    def pieces(self) -> tuple[PieceRecord, ...]:
+        """One record per piece, in order, with how many calls each artifact served."""
         out = []
-        for item in items:
-            record = self.records.get(item.name)
+        for index, (name, is_splitting) in enumerate(self.order):
+            record = self.records.get(name)
             if record is None:
-                record = PieceRecord(item.name, item.index, item.is_splitting)
-            elif item.name in self.runners:
-                record = _with_served(record, self.runners[item.name])
+                record = PieceRecord(name, index, is_splitting)
+            elif name in self.runners:
+                record = dataclasses.replace(record, served=self.runners[name].served())
             out.append(record)
         return tuple(out)
+
+    @property
+    def loaded(self) -> int:
+        return self.manager.loaded
+
+    @property
+    def compiled(self) -> int:
+        return self.manager.compiled
 
 
 def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
@@ -228,63 +336,27 @@ def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem])
     return "".join(parts)
 
 
-def _with_served(record: PieceRecord, runner: PieceRunner) -> PieceRecord:
-    return dataclasses.replace(record, served=runner.served())
-
-
-class _Propagator(torch.fx.Interpreter):
-    """Runs the split module on fake tensors; each non-splitting piece is compiled on the way."""
-
-    def __init__(
-        self,
-        split_gm: torch.fx.GraphModule,
-        backend: PiecewiseBackend,
-        items: Sequence[SplitItem],
-        real_inputs: list[Any],
-    ) -> None:
-        super().__init__(split_gm)
-        self.backend = backend
-        self.items = {item.name: item for item in items}
-        placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
-        self.real_of = {node: real for node, real in zip(placeholders, real_inputs, strict=True)}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        result = super().run_node(n)
-        item = self.items.get(n.target) if n.op == "call_module" else None  # type: ignore[arg-type]
-        if item is not None and not item.is_splitting:
-            fake_args = [self.env[a] if isinstance(a, torch.fx.Node) else a for a in n.args]
-            real_args = [self.real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in n.args]
-            self.backend._install(self.module, item, fake_args, real_args)  # type: ignore[arg-type]
-        return result
-
-
 def _traced_code(gm: torch.fx.GraphModule) -> list[Any]:
     """The code objects Dynamo traced for this graph (for the cache key's source files).
 
-    TracingContext.get_traced_code() is the API (torch 2.13); its list attribute is read where
-    the method is missing. Failing both, the files named in the graph's stack traces are used.
+    Failing the tracing context, the files named in the graph's stack traces are used.
     """
-    context = torch._guards.TracingContext
-    getter = getattr(context, "get_traced_code", None)
-    if getter is not None:
-        return list(getter() or ())
-    current = context.try_get()
-    codes = getattr(current, "traced_code", None) if current is not None else None
-    if codes:
-        return list(codes)
+    codes = _compat.traced_code_objects()
+    if codes is not None:
+        return codes
     log.warning("this torch does not list traced code; the cache key covers files named in the graph")
     files = {n.meta.get("stack_trace", "") for n in gm.graph.nodes}
     names = {line.split('"')[1] for trace in files for line in trace.splitlines() if 'File "' in line}
     return [compile("", name, "exec") for name in sorted(names)]
 
 
-def _piece_calls_from_meta(
+def _piece_calls(
     split_gm: torch.fx.GraphModule, items: Sequence[SplitItem], real_inputs: list[Any]
-) -> list[tuple[SplitItem, list[Any], list[Any | None]]] | None:
-    """Per compiled piece: its inputs' fake values (from Dynamo's meta) and real values where known.
+) -> list[tuple[SplitItem, list[Any], list[Any | None]]]:
+    """Per compiled piece: its inputs' fake values (Dynamo's example values) and real values where known.
 
     No fake execution: split_module copies each input's example value onto the piece's
-    placeholders, which is all a runner needs. None when some example value is missing.
+    placeholders, which is all a runner needs.
     """
     by_name = {item.name: item for item in items}
     placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
@@ -296,18 +368,10 @@ def _piece_calls_from_meta(
             continue
         inputs = [n for n in item.graph.graph.nodes if n.op == "placeholder"]
         fake = [n.meta.get("example_value") for n in inputs]
-        if len(fake) != len(node.args) or any(v is None for v in fake):
-            return None
+        missing = [n.name for n, v in zip(inputs, fake, strict=True) if v is None]
+        assert not missing and len(fake) == len(node.args), (
+            f"{item.name}: Dynamo left no example value for inputs {missing}"
+        )
         real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         calls.append((item, fake, real))
     return calls
-
-
-def _fake_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values = [n.meta.get("example_value") for n in placeholders]
-    if all(v is not None for v in values):
-        return values
-    fake_mode = detect_fake_mode(example_inputs)
-    assert fake_mode is not None, "no fake mode found for the traced graph's inputs"
-    return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]

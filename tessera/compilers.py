@@ -1,17 +1,19 @@
 """Compiler adaptors: one interface to turn a piece graph into a callable, and back from disk.
 
-Built in: ``eager`` (run the graph as is) and ``inductor`` (Inductor standalone compile). A user's
-own compiler is named ``"package.module:ClassName"`` and implements ``Compiler``.
+Built in: ``eager`` (run the graph as is) and ``inductor`` (Inductor standalone compile, stored
+as a piece file that also loads without Inductor, see kernels.py). A user's own compiler is named
+``"package.module:ClassName"`` and implements ``Compiler``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import json
 import logging
+import os
 import platform
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -19,28 +21,22 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.fx
 
-from tessera import counters
-from tessera.config import CompileConfig, SizeRange
+from tessera import _compat, counters, kernels
+from tessera.cache.key import machine_factors, machine_key
+from tessera.cache.store import atomic_write
+from tessera.config import CompileConfig, Size
 from tessera.errors import CompilerError
 
 log = logging.getLogger(__name__)
 
-# What a piece is compiled for: None is the general (symbolic) size, an int one static size.
-Size = int | SizeRange | None
-
-
-def size_label(size: Size) -> str:
-    """``general``, ``size 16`` or ``range [9,32]``: how records and logs name an artifact."""
-    if size is None:
-        return "general"
-    if isinstance(size, SizeRange):
-        return f"range {size}"
-    return f"size {size}"
-
 
 @runtime_checkable
 class Compiler(Protocol):
-    """What tessera needs from a compiler. ``name`` keys the cache index."""
+    """What tessera needs from a compiler. ``name`` keys the cache index.
+
+    ``compile`` returns a handle: a file it wrote (relative to the cache dir), ``""`` when the
+    callable rebuilds from the graph alone, or None when it cannot be saved at all.
+    """
 
     name: str
 
@@ -75,6 +71,12 @@ class Compiler(Protocol):
         ...
 
 
+def warm_hash(compiler: Compiler) -> str:
+    """A compiler's hash for the model fingerprint: cheap, imports no compiler machinery."""
+    cheap = getattr(compiler, "warm_hash", None)
+    return str(cheap() if callable(cheap) else compiler.compute_hash())
+
+
 class EagerCompiler:
     """Runs each piece's FX graph as Python: no compile work, nothing saved."""
 
@@ -96,7 +98,7 @@ class EagerCompiler:
     ) -> tuple[Callable[..., Any], Any]:
         counters.bump("eager_compiles")
         # The bound forward skips nn.Module.__call__ (hooks, tracing state): pure dispatch cost.
-        return graph.forward, None
+        return graph.forward, ""
 
     def load(
         self,
@@ -110,36 +112,40 @@ class EagerCompiler:
 
 
 class InductorCompiler:
-    """Inductor's standalone compile; each artifact is one binary file under the cache dir."""
+    """Inductor's standalone compile; each artifact is one piece file (see kernels.PieceFile)."""
 
     name = "inductor"
+    loads_without_graph = True  # a piece file holds all its load needs (see backend.from_artifact)
 
     def __init__(self) -> None:
         self.cache_dir: Path | None = None
-        self._loaded: dict[str, Any] = {}
+        self.machine_record: Path | None = None
+        self._loaded: dict[str, Callable[..., Any]] = {}
 
-    def compute_hash(self) -> str:
-        from torch._inductor import config as inductor_config
-
-        factors = {
+    def _base_factors(self) -> dict[str, Any]:
+        return {
             "torch": torch.__version__,
             "torch_git": getattr(torch.version, "git_version", None),
             "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "python": platform.python_version(),
-            "machine": platform.machine(),
-            "inductor_config": _stable_config_repr(inductor_config),
+            "machine": machine_factors(),
         }
+
+    def compute_hash(self) -> str:
+        factors = {**self._base_factors(), "inductor_config": _compat.inductor_config_repr()}
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+
+    def warm_hash(self) -> str:
+        factors = {**self._base_factors(), "inductor_overrides": _compat.inductor_config_overrides()}
         return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
 
     def initialize_cache(self, cache_dir: Path | None) -> None:
         self.cache_dir = cache_dir
 
-    def _load_file(self, handle: str) -> Any:
-        from torch._inductor import CompiledArtifact
-
-        assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
-        return CompiledArtifact.load(path=str(self.cache_dir / handle), format="binary")
+    def use_machine_record(self, root: Path) -> None:
+        """Where the result of Inductor's per-process probes is kept for this machine."""
+        self.machine_record = root / "machine" / f"{machine_key()}.json"
 
     def compile(
         self,
@@ -157,14 +163,20 @@ class InductorCompiler:
         else:
             dynamic_shapes = "from_graph"
         patches.update(config.inductor_config)
-        artifact = _standalone_compile(graph, list(example_inputs), dynamic_shapes, patches)
+        with _compat.trusted_vec_isa(self._probe_recorded()):
+            artifact = _compat.standalone_compile(graph, list(example_inputs), dynamic_shapes, patches)
         counters.bump("inductor_compiles")
+        self._record_probe()
+        standard = _standard_bytes(artifact) if self.cache_dir is not None else b""
+        piece = kernels.package(artifact, graph, example_inputs, standard)
+        # The cold process runs what a warm one will load: the direct code where there is one.
+        fn = self._callable(piece, artifact, key)
         handle = None
         if self.cache_dir is not None:
+            atomic_write(self.cache_dir / key, piece.to_bytes())
             handle = key
-            artifact.save(path=str(self.cache_dir / handle), format="binary")
             counters.bump("artifacts_saved")
-        return artifact, handle
+        return fn, handle
 
     def load(
         self,
@@ -175,51 +187,76 @@ class InductorCompiler:
         size: Size,
     ) -> Callable[..., Any]:
         assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
-        if not isinstance(handle, str):
+        if not isinstance(handle, str) or not handle:
             raise CompilerError(f"inductor artifact handle must be a file name, got {handle!r}")
-        loaded = self._loaded.get(handle)
-        if loaded is None:
+        fn = self._loaded.get(handle)
+        if fn is None:
             # Files are content-addressed: identical pieces (transformer layers) load once.
-            loaded = self._load_file(handle)
-            self._loaded[handle] = loaded
+            try:
+                piece = kernels.PieceFile.from_bytes((self.cache_dir / handle).read_bytes())
+            except (ValueError, KeyError, TypeError) as e:
+                raise CompilerError(f"{handle} is not a tessera piece file: {e}") from e
+            fn = self._callable(piece, None, handle)
             counters.bump("artifacts_loaded")
-        if _returns_tuple(graph):
-            return loaded  # type: ignore[no-any-return]
-        # A loaded artifact always returns a list; the piece graph returned a single value.
-        return lambda *args: loaded(*args)[0]
+        self._loaded[handle] = fn
+        return fn
+
+    def _callable(self, piece: kernels.PieceFile, artifact: Any, name: str) -> Callable[..., Any]:
+        fn: Callable[..., Any] | None = None
+        if piece.direct is not None:
+            try:
+                fn = kernels.load_direct(piece.direct, Path(name).stem.lstrip("."))
+            except Exception as e:  # a library that does not load here: Inductor's way still works
+                log.warning(
+                    "piece %s: direct load failed (%s: %s); loading through Inductor",
+                    name,
+                    type(e).__name__,
+                    e,
+                )
+        if fn is None:
+            if artifact is None:
+                artifact = self._load_standard(piece.standard)
+            fn = artifact
+        if piece.returns_tuple:
+            return fn
+        # Compiled code always returns a sequence; the piece graph returned a single value.
+        return lambda *args: fn(*args)[0]
+
+    def _load_standard(self, data: bytes) -> Any:
+        if not data:
+            raise CompilerError("the piece file holds no Inductor artifact to fall back to")
+        with tempfile.TemporaryDirectory(prefix="tessera-piece-") as scratch:
+            path = os.path.join(scratch, "artifact.bin")
+            Path(path).write_bytes(data)
+            with _compat.trusted_vec_isa(self._probe_recorded()):
+                return _compat.load_compiled_artifact(path)
+
+    def _probe_recorded(self) -> bool:
+        """Whether an earlier process on this machine found the ISA the CPU flags promise."""
+        if self.machine_record is None:
+            return False
+        try:
+            recorded = json.loads(self.machine_record.read_text(encoding="utf-8")).get("vec_isa")
+        except (OSError, ValueError, AttributeError):
+            return False
+        candidates = _compat.vec_isa_candidates()
+        return bool(candidates) and recorded == candidates[0]
+
+    def _record_probe(self) -> None:
+        if self.machine_record is None or self.machine_record.exists():
+            return
+        record = {"vec_isa": _compat.picked_vec_isa(), "factors": machine_factors()}
+        try:
+            atomic_write(self.machine_record, json.dumps(record, sort_keys=True).encode())
+        except OSError as e:
+            log.debug("cannot record the ISA probe at %s: %s", self.machine_record, e)
 
 
-def _returns_tuple(graph: torch.fx.GraphModule) -> bool:
-    output = next(iter(reversed(graph.graph.nodes)))
-    return isinstance(output.args[0], (tuple, list))
-
-
-def _standalone_compile(
-    graph: torch.fx.GraphModule, inputs: list[Any], dynamic_shapes: str, patches: dict[str, Any]
-) -> Any:
-    from torch._inductor import standalone_compile
-
-    if "donate_graph_module" not in inspect.signature(standalone_compile).parameters:
-        # torch < 2.12 (seen on 2.11) may rewrite the graph it is given; we keep using ours for
-        # fallbacks and dumps, so hand it a copy. Remove once 2.12 is the oldest supported torch.
-        import copy
-
-        graph = copy.deepcopy(graph)
-    return standalone_compile(
-        graph,
-        inputs,
-        dynamic_shapes=dynamic_shapes,  # type: ignore[arg-type]
-        options={"config_patches": patches},
-    )
-
-
-def _stable_config_repr(module: Any) -> str:
-    """The Inductor config as a string that is equal across processes with equal settings."""
-    try:
-        saved = module.save_config_portable()
-    except Exception:  # older torch: fall back to the plain dict of settings
-        saved = module.get_config_copy()
-    return repr(sorted((k, repr(v)) for k, v in saved.items() if not k.startswith("_")))
+def _standard_bytes(artifact: Any) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="tessera-piece-") as scratch:
+        path = os.path.join(scratch, "artifact.bin")
+        artifact.save(path=path, format="binary")
+        return Path(path).read_bytes()
 
 
 def make_compiler(backend: str) -> Compiler:

@@ -38,6 +38,19 @@ class SizeRange:
         return f"[{self.start},{'max' if self.end is None else self.end}]"
 
 
+# What a piece is compiled for: None is the general (symbolic) size, an int one static size.
+Size = int | SizeRange | None
+
+
+def size_label(size: Size) -> str:
+    """``general``, ``size 16`` or ``range [9,32]``: how records and logs name an artifact."""
+    if size is None:
+        return "general"
+    if isinstance(size, SizeRange):
+        return f"range {size}"
+    return f"size {size}"
+
+
 def _env(name: str) -> str | None:
     value = os.environ.get(f"TESSERA_{name}")
     return value if value not in (None, "") else None
@@ -193,11 +206,16 @@ def _check_sizes(name: str, sizes: Sequence[int], max_size: int | None, minimum:
 
 def op_name(op: SplittingOp) -> str:
     """A stable, human-readable name for a splitting op spec (used in hashes and messages)."""
+    import torch
+
+    from tessera._compat import op_overload_name, packet_name
+
     if isinstance(op, str):
         return op
-    name = getattr(op, "_qualified_op_name", None) or getattr(op, "_name", None)
-    if isinstance(name, str):
-        return name
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return packet_name(op)
+    if isinstance(op, torch._ops.OpOverload):
+        return op_overload_name(op)
     module = getattr(op, "__module__", None) or ""
     return f"{module}.{getattr(op, '__qualname__', getattr(op, '__name__', repr(op)))}"
 

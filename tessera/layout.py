@@ -11,48 +11,77 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 
+from tessera._compat import sym_expr
 from tessera.piece import SizeSource, find_size_source
 
 _MEMO_LIMIT = 4096
 
+# A stride as a polynomial in the size symbol: integer coefficients, highest power first.
+Polynomial = tuple[int, ...]
+
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Per output of a splitting piece: its strides as expressions in one size symbol."""
+    """Per output of a splitting piece: its strides as polynomials in one size symbol."""
 
-    strides: tuple[tuple[str, ...] | None, ...]
-    symbol: str | None
+    strides: tuple[tuple[Polynomial, ...] | None, ...]
     size_source: SizeSource | None
+
+    def expected(self, size: int) -> list[tuple[int, ...] | None]:
+        """The strides each output must have when the runtime size is ``size``."""
+        return [None if s is None else tuple(_evaluate(p, size) for p in s) for s in self.strides]
+
+
+def _evaluate(poly: Polynomial, x: int) -> int:
+    value = 0
+    for coefficient in poly:
+        value = value * x + coefficient
+    return value
 
 
 def output_layout(graph: torch.fx.GraphModule) -> OutputLayout | None:
     """The strides a splitting piece's outputs were traced with; None if nothing needs keeping."""
+    import sympy  # the trace path only: a warm start reads the polynomials
+
     output = next(iter(reversed(graph.graph.nodes)))
     returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
     values = [n.meta.get("example_value") if isinstance(n, torch.fx.Node) else None for n in returned]
-    symbols: set[sympy.Symbol] = set()
-    strides: list[tuple[str, ...] | None] = []
+    exprs: list[list[Any] | None] = []
+    symbols: set[Any] = set()
     for value in values:
         if not isinstance(value, torch.Tensor):
+            exprs.append(None)
+            continue
+        row = [sym_expr(s) if isinstance(s, torch.SymInt) else sympy.Integer(s) for s in value.stride()]
+        for expr in row:
+            symbols |= expr.free_symbols
+        exprs.append(row)
+    if not any(e is not None for e in exprs) or len(symbols) > 1:
+        return None
+    symbol = next(iter(symbols)) if symbols else sympy.Symbol("s")
+    strides: list[tuple[Polynomial, ...] | None] = []
+    for maybe_row in exprs:
+        if maybe_row is None:
             strides.append(None)
             continue
-        exprs = []
-        for stride in value.stride():
-            expr = stride.node.expr if isinstance(stride, torch.SymInt) else sympy.Integer(stride)
-            symbols |= expr.free_symbols
-            exprs.append(str(expr))
-        strides.append(tuple(exprs))
-    if not any(s is not None for s in strides) or len(symbols) > 1:
-        return None
+        polys = []
+        for expr in maybe_row:
+            try:
+                coefficients = sympy.Poly(expr, symbol).all_coeffs()
+            except sympy.PolynomialError:
+                return None  # not a polynomial in the size (a floor division): cannot keep it
+            if not all(c.is_Integer for c in coefficients):
+                return None
+            polys.append(tuple(int(c) for c in coefficients))
+        strides.append(tuple(polys))
     inputs = [n.meta.get("example_value") for n in graph.graph.nodes if n.op == "placeholder"]
     source = find_size_source(inputs) if symbols else None
     if symbols and source is None:
         return None
-    return OutputLayout(tuple(strides), str(next(iter(symbols))) if symbols else None, source)
+    return OutputLayout(tuple(strides), source)
 
 
 class LayoutKeeper:
@@ -61,8 +90,6 @@ class LayoutKeeper:
     def __init__(self, fn: Callable[..., Any], layout: OutputLayout) -> None:
         self.fn = fn
         self.layout = layout
-        self._symbol = sympy.Symbol(layout.symbol) if layout.symbol else None
-        self._exprs = [None if s is None else [sympy.sympify(e) for e in s] for s in layout.strides]
         self._memo: dict[int, list[tuple[int, ...] | None]] = {}
 
     def __call__(self, *args: Any) -> Any:
@@ -71,17 +98,12 @@ class LayoutKeeper:
         size = 0 if source is None else source.read(args)
         expected = self._memo.get(size)
         if expected is None:
-            expected = self._expected(size)
+            expected = self.layout.expected(size)
+            if len(self._memo) < _MEMO_LIMIT:
+                self._memo[size] = expected
         if isinstance(out, torch.Tensor):
             return _relayout(out, expected[0])
         return type(out)(_relayout(o, e) for o, e in zip(out, expected, strict=True))
-
-    def _expected(self, size: int) -> list[tuple[int, ...] | None]:
-        subs = {self._symbol: size} if self._symbol is not None else {}
-        expected = [None if e is None else tuple(int(x.subs(subs)) for x in e) for e in self._exprs]
-        if len(self._memo) < _MEMO_LIMIT:
-            self._memo[size] = expected
-        return expected
 
 
 def _relayout(value: Any, stride: Sequence[int] | None) -> Any:

@@ -1,6 +1,7 @@
-"""The compiler manager: load an artifact from the cache index, or compile it and record it.
+"""The compiler manager: each artifact loaded from the entry's index, or compiled once and recorded.
 
-The index maps ``(size, piece index, compiler name)`` to the compiler's handle.
+Pieces are keyed by their own content before compiling, so identical pieces (transformer layers)
+are compiled and stored once, whatever state Inductor's own cache is in.
 """
 
 from __future__ import annotations
@@ -16,57 +17,53 @@ from typing import Any
 import torch.fx
 
 from tessera import counters
-from tessera.cache import CacheEntry
-from tessera.compilers import Compiler, Size, size_label
-from tessera.config import CompileConfig, SizeRange
+from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
+from tessera.cache.key import sha256_json
+from tessera.cache.store import ARTIFACTS, CacheEntry
+from tessera.compilers import Compiler
+from tessera.config import CompileConfig, Size, size_label
 
 log = logging.getLogger(__name__)
-
-# How a size is written in the index: "general", an int, or a (start, end) pair.
-SizeKey = str | int | tuple[int, int | None]
-IndexKey = tuple[SizeKey, int, str]
-
-
-def size_key(size: Size) -> SizeKey:
-    if size is None:
-        return "general"
-    if isinstance(size, SizeRange):
-        return (size.start, size.end)
-    return size
-
-
-def artifact_name(key: IndexKey) -> str:
-    """A file-name-safe name for one index entry, e.g. ``piece3_size16_inductor``."""
-    size, index, compiler = key
-    if isinstance(size, tuple):
-        label = f"range{size[0]}-{'max' if size[1] is None else size[1]}"
-    elif isinstance(size, int):
-        label = f"size{size}"
-    else:
-        label = "general"
-    return f"piece{index}_{label}_{compiler}"
 
 
 @dataclass(frozen=True)
 class CompileOutcome:
-    """One artifact obtained: the callable, how long it took, and whether it came from disk."""
+    """One artifact obtained: the callable, how long it took, and where it came from."""
 
     fn: Callable[..., Any]
     seconds: float
-    loaded: bool
+    source: str  # "compiled", "loaded" (from the cache) or "shared" (an identical piece's)
+    record: ArtifactRecord | None = None
 
 
 class CompilerManager:
-    """Owns one compiler and the index of what it has produced for one model."""
+    """Owns one compiler, the entry it records into, and the artifacts of this process."""
 
     def __init__(self, compiler: Compiler, config: CompileConfig, store: CacheEntry | None = None) -> None:
         self.compiler = compiler
         self.config = config
         self.store = store
-        self.index: dict[IndexKey, Any] = store.read_index() if store is not None else {}
+        self._compiler_hash: str | None = None  # computed on first compile: it may import the compiler
+        self._by_content: dict[str, CompileOutcome] = {}
         self.loaded = 0
         self.compiled = 0
         compiler.initialize_cache(store.path if store is not None else None)
+
+    def content_key(self, piece_content: str, size: Size) -> str:
+        """What identifies one artifact of a piece: its content, the size, the compiler and config."""
+        if self._compiler_hash is None:
+            self._compiler_hash = self.compiler.compute_hash()
+        factors = self.config.hash_factors()
+        return sha256_json(
+            [
+                piece_content,
+                size_key(size),
+                self.compiler.name,
+                self._compiler_hash,
+                factors["inductor_config"],
+                factors["passes"],
+            ]
+        )
 
     def get(
         self,
@@ -74,57 +71,68 @@ class CompilerManager:
         example_inputs: Callable[[], Sequence[Any]],
         size: Size,
         index: int,
+        content: str,
     ) -> CompileOutcome:
-        """Load the artifact for ``(size, index)`` if the index has it, else compile it.
+        """The artifact for ``(size, index)``: from the index, from an identical piece, or compiled.
 
         ``example_inputs`` is a thunk: specialized inputs are only built when compiling.
         """
-        key: IndexKey = (size_key(size), index, self.compiler.name)
         start = time.perf_counter()
         counters.bump("backend_compilations")
-        fn = self._try_load(key, graph, size, index)
-        if fn is not None:
+        key = index_key(size, index, self.compiler.name)
+        loaded = self._load(key, graph, size, index)
+        if loaded is not None:
             counters.bump("cache_hits")
             self.loaded += 1
-            return CompileOutcome(fn, time.perf_counter() - start, loaded=True)
+            outcome = CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
+            self._by_content.setdefault(content, outcome)
+            return outcome
+        twin = self._by_content.get(content)
+        if twin is not None:
+            counters.bump("cache_hits")
+            if self.store is not None and twin.record is not None:
+                self.store.link_artifact(key, twin.record)
+            return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
         # A unique scratch name: several processes may compile the same entry at once.
-        scratch = f"artifacts/.{artifact_name(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, scratch)
         self.compiled += 1
+        record = None
         if self.store is not None and handle is not None:
             counters.bump("cache_misses")
             # Recorded only now, after the artifact is complete on disk: a process that dies
             # mid-compile leaves no index entry for a later process to trust.
-            self.index[key] = self.store.adopt(key, handle)
-        seconds = time.perf_counter() - start
-        log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), seconds)
-        return CompileOutcome(fn, seconds, loaded=False)
+            record = self.store.record_artifact(key, str(handle), content)
+        outcome = CompileOutcome(fn, time.perf_counter() - start, "compiled", record)
+        self._by_content[content] = outcome
+        log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
+        return outcome
 
     def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | None:
         """The artifact for ``(size, index)`` from the cache, or None; never compiles."""
-        key: IndexKey = (size_key(size), index, self.compiler.name)
         start = time.perf_counter()
-        fn = self._try_load(key, graph, size, index)
-        if fn is None:
+        loaded = self._load(index_key(size, index, self.compiler.name), graph, size, index)
+        if loaded is None:
             return None
         counters.bump("backend_compilations")
         counters.bump("cache_hits")
         self.loaded += 1
-        return CompileOutcome(fn, time.perf_counter() - start, loaded=True)
+        return CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
 
-    def _try_load(
-        self, key: IndexKey, graph: torch.fx.GraphModule, size: Size, index: int
-    ) -> Callable[..., Any] | None:
-        if self.store is None or key not in self.index:
+    def _load(
+        self, key: Any, graph: torch.fx.GraphModule, size: Size, index: int
+    ) -> tuple[Callable[..., Any], ArtifactRecord] | None:
+        if self.store is None:
             return None
-        handle = self.index[key]
-        problem = self.store.check_artifact(handle)
+        record = self.store.index.entries.get(key)
+        if record is None:
+            return None
+        problem = self.store.check(record)
         if problem is None:
             try:
-                return self.compiler.load(handle, graph, (), index, size)
+                return self.compiler.load(record.file, graph, (), index, size), record
             except Exception as e:  # a damaged artifact must cost a recompile, never the process
                 problem = f"not loadable ({type(e).__name__}: {str(e)[:120]})"
-        self.store.report_damage(handle, problem)
-        del self.index[key]
+        self.store.report_damage(record.file, problem)
         self.store.forget(key)
         return None

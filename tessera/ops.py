@@ -8,8 +8,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Registered with torch.library's define/impl rather than @torch.library.custom_op: custom_op
+# wraps each kernel in torch._disable_dynamo, which imports all of Dynamo (~0.6 s) at the op's
+# first call (torch 2.11-2.13), so every process running the model, eager or warm, paid for it.
+_LIB = torch.library.Library("tessera", "DEF")
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_LIB.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor positions, float scale) -> Tensor"
+)
 
-@torch.library.custom_op("tessera::attention", mutates_args=())
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention over one flat token sequence.
 
@@ -25,12 +34,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return out.transpose(0, 1).contiguous()
 
 
-@attention.register_fake
+@torch.library.register_fake("tessera::attention")
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-@torch.library.custom_op("tessera::decode_attention", mutates_args=("k_cache", "v_cache"))
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,7 +68,11 @@ def decode_attention(
     return torch.einsum("bht,bthd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
 
 
-@decode_attention.register_fake
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+_LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tessera::decode_attention")
 def _(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -10,11 +10,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 
-from tessera.compilers import Size, size_label
-from tessera.config import SizeRange
+from tessera._compat import is_constant_symint, sym_expr
+from tessera.config import Size, SizeRange, size_label
 from tessera.errors import ConfigError, SizeNotCompiledError
 
 log = logging.getLogger(__name__)
@@ -55,14 +54,16 @@ def dynamic_inputs(example_inputs: Sequence[Any], example_outputs: Sequence[Any]
         if not isinstance(value, torch.Tensor):
             return None
         for dim, extent in enumerate(value.shape):
-            if isinstance(extent, torch.SymInt) and not _is_constant(extent):
+            if isinstance(extent, torch.SymInt) and not is_constant_symint(extent):
                 return dim
         return None
 
     return DynamicInputs(
         tensor_dims=tuple(dim_of(v) for v in example_inputs),
         symint_positions=tuple(
-            i for i, v in enumerate(example_inputs) if isinstance(v, torch.SymInt) and not _is_constant(v)
+            i
+            for i, v in enumerate(example_inputs)
+            if isinstance(v, torch.SymInt) and not is_constant_symint(v)
         ),
         output_dims=tuple(dim_of(v) for v in example_outputs),
     )
@@ -169,30 +170,26 @@ class PieceRunner:
 def find_size_source(example_inputs: Sequence[Any]) -> SizeSource | None:
     """The first SymInt argument; else the first tensor dim that is symbolic; else None."""
     for i, value in enumerate(example_inputs):
-        if isinstance(value, torch.SymInt) and not _is_constant(value):
+        if isinstance(value, torch.SymInt) and not is_constant_symint(value):
             return SizeSource(i)
     for i, value in enumerate(example_inputs):
         if isinstance(value, torch.Tensor):
             for dim, extent in enumerate(value.shape):
-                if isinstance(extent, torch.SymInt) and not _is_constant(extent):
+                if isinstance(extent, torch.SymInt) and not is_constant_symint(extent):
                     return SizeSource(i, dim)
     return None
 
 
-def _is_constant(value: torch.SymInt) -> bool:
-    return not value.node.expr.free_symbols
-
-
-def free_symbols(example_inputs: Sequence[Any]) -> set[sympy.Symbol]:
-    """Every shape symbol that appears in the inputs (SymInt values, tensor sizes and strides)."""
-    found: set[sympy.Symbol] = set()
+def free_symbols(example_inputs: Sequence[Any]) -> set[Any]:
+    """Every shape symbol (sympy) in the inputs: SymInt values, tensor sizes and strides."""
+    found: set[Any] = set()
     for value in example_inputs:
         if isinstance(value, torch.SymInt):
-            found |= value.node.expr.free_symbols
+            found |= sym_expr(value).free_symbols
         elif isinstance(value, torch.Tensor):
             for extent in (*value.shape, *value.stride()):
                 if isinstance(extent, torch.SymInt):
-                    found |= extent.node.expr.free_symbols
+                    found |= sym_expr(extent).free_symbols
     return found
 
 
@@ -217,7 +214,7 @@ def specialize_inputs(
 
     def concrete(extent: Any) -> int:
         if isinstance(extent, torch.SymInt):
-            return int(extent.node.expr.subs(symbol, size))
+            return int(sym_expr(extent).subs(symbol, size))
         return int(extent)
 
     out: list[Any] = []

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from tessera._compat import op_overload_name, op_schema_name, packet_name
 from tessera.config import SplittingOp
 from tessera.errors import ConfigError
 
@@ -65,9 +66,9 @@ def make_matcher(specs: Sequence[SplittingOp]) -> Callable[[torch.fx.Node], bool
         elif isinstance(spec, str):
             targets.append(_resolve_dotted(spec))
         elif isinstance(spec, torch._ops.OpOverloadPacket):
-            packet_names.add(spec._qualified_op_name)
+            packet_names.add(packet_name(spec))
         elif isinstance(spec, torch._ops.OpOverload):
-            overload_names.add(_overload_name(spec))
+            overload_names.add(op_overload_name(spec))
         elif callable(spec):
             targets.append(spec)
         else:
@@ -78,17 +79,13 @@ def make_matcher(specs: Sequence[SplittingOp]) -> Callable[[torch.fx.Node], bool
             return False
         target = node.target
         if isinstance(target, torch._ops.OpOverloadPacket):
-            name = target._qualified_op_name
+            name = packet_name(target)
             return name in packet_names or f"{name}.default" in overload_names
         if isinstance(target, torch._ops.OpOverload):
-            return target._schema.name in packet_names or _overload_name(target) in overload_names
+            return op_schema_name(target) in packet_names or op_overload_name(target) in overload_names
         return any(target is t for t in targets)
 
     return matches
-
-
-def _overload_name(op: torch._ops.OpOverload) -> str:
-    return f"{op._schema.name}.{op._overloadname}"
 
 
 def split_graph(

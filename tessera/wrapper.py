@@ -1,22 +1,24 @@
-"""The guard-free Dynamo wrapper: trace a function once, then call Dynamo's bytecode directly.
+"""The guard-free Dynamo wrapper: trace a function once, then run Dynamo's bytecode directly.
 
-Owns dynamic-dim marking, the single ``torch.compile`` call and the captured code object.
+Owns dynamic-dim choice and marking, the single ``torch.compile`` call, and the transformed code
+object in a portable form (``PortableCode``) that a later process runs without importing Dynamo.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dis
 import inspect
 import logging
+import marshal
+import pickle
 import types
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
-from torch._dynamo.convert_frame import register_bytecode_hook
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
+from tessera import _compat
 from tessera.errors import ConfigError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -36,17 +38,18 @@ def split_callable(fn: Callable[..., Any]) -> tuple[types.FunctionType, object |
     return fn, bound_to
 
 
-def mark_dynamic_dims(
-    func: types.FunctionType,
-    bound_to: object | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dynamic_dims: DynamicDims | None,
-) -> tuple[list[tuple[str, int]], dict[str, Any]]:
-    """Mark the dims Dynamo must keep symbolic; return them as ``(arg name, dim)`` pairs.
+@dataclass(frozen=True)
+class DynamicChoice:
+    """The dims a call makes dynamic: ``(argument name, dim)`` pairs, and whether they were guessed."""
 
-    Default: dim 0 of every Tensor argument.
-    """
+    dims: tuple[tuple[str, int], ...]
+    guessed: bool  # default dims (dim 0 of every tensor): Dynamo may keep them static
+
+
+def bind_arguments(
+    func: types.FunctionType, bound_to: object | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """The call's arguments by name (``**kwargs`` entries under their own names)."""
     signature = inspect.signature(func)
     call_args = (bound_to, *args) if bound_to is not None else args
     try:
@@ -56,18 +59,30 @@ def mark_dynamic_dims(
     values = dict(bound.arguments)
     if bound_to is not None:
         values.pop(next(iter(signature.parameters)))
-    var_keyword = next(
-        (p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
-    )
+    var_keyword = _var_keyword(signature)
     if var_keyword is not None:  # forward(..., **kwargs): keyword tensors count by their own name
         values.update(values.pop(var_keyword, {}))
+    return values
+
+
+def _var_keyword(signature: inspect.Signature) -> str | None:
+    return next(
+        (p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
+
+
+def choose_dynamic_dims(
+    func: types.FunctionType, values: Mapping[str, Any], dynamic_dims: DynamicDims | None
+) -> DynamicChoice:
+    """Which dims to keep symbolic (default: dim 0 of every Tensor argument). Touches no tensor."""
+    signature = inspect.signature(func)
     if dynamic_dims is None:
         wanted: dict[str, tuple[int, ...]] = {
             name: (0,) for name, v in values.items() if isinstance(v, torch.Tensor) and v.dim()
         }
     else:
         unknown = sorted(set(dynamic_dims) - set(signature.parameters))
-        if unknown and var_keyword is None:
+        if unknown and _var_keyword(signature) is None:
             raise ConfigError(
                 f"dynamic_dims names {unknown}, but {func.__qualname__} takes {list(signature.parameters)}"
             )
@@ -76,7 +91,7 @@ def mark_dynamic_dims(
             for name, dims in dynamic_dims.items()
             if name in values
         }
-    marked = []
+    chosen = []
     for name, dims in wanted.items():
         value = values[name]
         if not isinstance(value, torch.Tensor):
@@ -86,22 +101,20 @@ def mark_dynamic_dims(
                 raise ConfigError(
                     f"dynamic_dims[{name!r}]={dim} is out of range for a {value.dim()}-d tensor"
                 )
-            if dynamic_dims is None:
-                # Default dims are a guess (a weight passed as an argument has a fixed dim 0):
-                # let Dynamo keep them static where the code requires it.
-                torch._dynamo.maybe_mark_dynamic(value, dim)
-            else:
-                torch._dynamo.mark_dynamic(value, dim)
-            marked.append((name, dim % value.dim()))
-    return marked, values
+            chosen.append((name, dim % value.dim()))
+    return DynamicChoice(tuple(chosen), guessed=dynamic_dims is None)
 
 
-@contextlib.contextmanager
-def _single_trace_settings() -> Iterator[None]:
-    # One trace must never be refused for a full cache of earlier entries of this code. (Sizes
-    # 0/1 need no setting here: api.py never traces at them, see CompiledModel._compile.)
-    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
-        yield
+def mark_dynamic(values: Mapping[str, Any], choice: DynamicChoice) -> None:
+    """Tell Dynamo about the chosen dims (before the one trace)."""
+    dynamo = _compat.dynamo()
+    for name, dim in choice.dims:
+        if choice.guessed:
+            # Default dims are a guess (a weight passed as an argument has a fixed dim 0):
+            # let Dynamo keep them static where the code requires it.
+            dynamo.maybe_mark_dynamic(values[name], dim)
+        else:
+            dynamo.mark_dynamic(values[name], dim)
 
 
 def trace_once(
@@ -133,37 +146,40 @@ def trace_once(
     )
     # Other compiled entries for this code object (another instance, a stock compile) would be
     # matched without guards; start from none so our trace really happens.
-    torch._dynamo.reset_code(code)
-    handle = register_bytecode_hook(hook)  # type: ignore[arg-type]
+    _compat.reset_code(code)
+    handle = _compat.register_bytecode_hook(hook)
     try:
-        with _single_trace_settings():
+        with _compat.single_trace_settings():
             output = compiled(*args, **kwargs)
-    except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+    except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error
         # stays reachable as .dynamo_error instead of being printed as the cause.
         error = UnsupportedModelError(describe_trace_failure(func, e))
         error.dynamo_error = e
         raise error from None
-    except ConstraintViolationError as e:
+    except _compat.constraint_violation_error() as e:
         raise ConfigError(f"a dim in dynamic_dims cannot be dynamic: the code fixes its size. {e}") from e
     finally:
         handle.remove()
         # Our entry has no guards: left in place it would serve any later compile of this code.
-        torch._dynamo.reset_code(code)
+        _compat.reset_code(code)
     if not captured:
         raise UnsupportedModelError(
             f"Dynamo did not trace {func.__qualname__} (it may be skipped as a torch/library "
             "function); wrap the model code in a function of your own"
         )
-    fast = types.FunctionType(
-        captured[-1], func.__globals__, func.__name__, func.__defaults__, func.__closure__
-    )
+    return output, _as_function(captured[-1], func, bound_to, func.__globals__), captured[-1]
+
+
+def _as_function(
+    code: types.CodeType, func: types.FunctionType, bound_to: object | None, namespace: dict[str, Any]
+) -> Callable[..., Any]:
+    fast = types.FunctionType(code, namespace, func.__name__, func.__defaults__, func.__closure__)
     fast.__kwdefaults__ = func.__kwdefaults__
-    call = types.MethodType(fast, bound_to) if bound_to is not None else fast
-    return output, call, captured[-1]
+    return types.MethodType(fast, bound_to) if bound_to is not None else fast
 
 
-def describe_trace_failure(func: types.FunctionType, error: Exception) -> str:
+def describe_trace_failure(func: types.FunctionType, error: BaseException) -> str:
     """One paragraph naming the cause and the user source line, instead of a Dynamo stack dump."""
     message = str(error).strip().splitlines()
     cause = next((line for line in message if line.strip()), type(error).__name__)
@@ -177,3 +193,125 @@ def describe_trace_failure(func: types.FunctionType, error: Exception) -> str:
         "tessera needs the whole forward in one graph: remove the graph break or data-dependent "
         "branch there, or use mode='stock'."
     )
+
+
+# -- Dynamo's bytecode, portable across processes -------------------------------------------------
+class NotPortable(Exception):
+    """The transformed bytecode needs something a new process cannot rebuild (the reason)."""
+
+
+@dataclass(frozen=True)
+class PortableCode:
+    """Dynamo's transformed code object and the globals it reads, rebuildable in a new process.
+
+    Constants ``marshal`` cannot hold (``torch.float32``, ``device('cpu')``) are replaced by
+    placeholders and kept, pickled, in ``constants``; globals Dynamo installed are recorded as
+    modules to import or objects to unpickle by reference.
+    """
+
+    code: bytes
+    constants: tuple[tuple[tuple[int, ...], Any], ...]  # (path to a const in nested code, value)
+    modules: tuple[tuple[str, str], ...]  # (global name, module name)
+    objects: tuple[tuple[str, bytes], ...]  # (global name, pickle of the object)
+    compiled_fn: str  # the global through which the code calls the compiled graph
+
+
+def _is_installed_global(name: str) -> bool:
+    # Dynamo's own globals (torch 2.11-2.13): __compiled_fn_*, __import_*, ___module_*, __resume_*.
+    return name.startswith("__") and not name.endswith("__")
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield str(instruction.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_names(const)
+
+
+def _strip_constants(
+    code: types.CodeType, path: tuple[int, ...], found: list[tuple[tuple[int, ...], Any]]
+) -> types.CodeType:
+    consts = list(code.co_consts)
+    for i, const in enumerate(consts):
+        if isinstance(const, types.CodeType):
+            consts[i] = _strip_constants(const, (*path, i), found)
+            continue
+        try:
+            marshal.dumps(const)
+        except ValueError:
+            found.append(((*path, i), const))
+            consts[i] = f"__tessera_constant_{len(found) - 1}__"
+    return code.replace(co_consts=tuple(consts))
+
+
+def _restore_constants(
+    code: types.CodeType, by_path: dict[tuple[int, ...], Any], path: tuple[int, ...]
+) -> types.CodeType:
+    consts = list(code.co_consts)
+    for i, const in enumerate(consts):
+        here = (*path, i)
+        if isinstance(const, types.CodeType):
+            consts[i] = _restore_constants(const, by_path, here)
+        elif here in by_path:
+            consts[i] = by_path[here]
+    return code.replace(co_consts=tuple(consts))
+
+
+def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode:
+    """The portable form of the transformed ``code`` of ``func``; NotPortable says why not."""
+    compiled_fn = None
+    modules: dict[str, str] = {}
+    objects: dict[str, bytes] = {}
+    namespace = func.__globals__
+    for name in dict.fromkeys(_global_names(code)):
+        if not _is_installed_global(name) or name not in namespace:
+            continue
+        value = namespace[name]
+        if name.startswith(_compat.COMPILED_FN_PREFIX):
+            compiled_fn = name
+        elif isinstance(value, types.ModuleType):
+            modules[name] = getattr(value, "_tessera_real", value.__name__)
+        else:
+            try:
+                objects[name] = pickle.dumps(value)
+            except Exception as e:
+                raise NotPortable(
+                    f"the bytecode reads {name} ({type(value).__name__}), which cannot be saved"
+                ) from e
+    if compiled_fn is None:
+        raise NotPortable("the bytecode does not call a compiled graph")
+    found: list[tuple[tuple[int, ...], Any]] = []
+    stripped = _strip_constants(code, (), found)
+    try:
+        pickle.dumps([value for _, value in found])
+    except Exception as e:
+        raise NotPortable(f"a constant of the bytecode cannot be saved: {e}") from e
+    return PortableCode(
+        code=marshal.dumps(stripped),
+        constants=tuple(found),
+        modules=tuple(sorted(modules.items())),
+        objects=tuple(sorted(objects.items())),
+        compiled_fn=compiled_fn,
+    )
+
+
+def rebuild_call(
+    portable: PortableCode,
+    func: types.FunctionType,
+    bound_to: object | None,
+    graph_callable: Callable[..., Any],
+) -> Callable[..., Any]:
+    """Dynamo's bytecode as a plain function again, calling ``graph_callable`` for the graph."""
+    code = _restore_constants(marshal.loads(portable.code), dict(portable.constants), ())
+    if code.co_freevars != func.__code__.co_freevars:
+        raise NotPortable("the function's closure changed shape")
+    namespace = func.__globals__
+    for name, module in portable.modules:
+        namespace[name] = _compat.module_for_bytecode(module)
+    for name, blob in portable.objects:
+        namespace[name] = pickle.loads(blob)
+    # Dynamo installs its compiled graph the same way: a uniquely named global of the module.
+    namespace[portable.compiled_fn] = graph_callable
+    return _as_function(code, func, bound_to, namespace)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import tessera
-from tessera.cache import INDEX, CacheDamagedWarning
-from tessera.cachetools import explain, find_entries, verify
+from tessera.cache.explain import explain
+from tessera.cache.store import INDEX, CacheDamagedWarning
+from tessera.cache.tools import find_entries, verify
 from tessera.models import toy_llama
 
 SIZES = (3, 9)
@@ -196,19 +197,19 @@ def test_damaged_warm_pointer_is_reported_and_rebuilt():
 
 def test_a_file_the_index_does_not_vouch_for_yet_is_not_damage(tmp_path):
     """Another process may be creating the entry: its not-yet-written files are no damage."""
-    from tessera.cache import GRAPH, CacheEntry
+    from tessera.cache.store import GRAPH, CacheEntry
 
-    path = tmp_path / "entry"
-    CacheEntry(path, {"factor": 1}, "key").open("graph v1", [])
-    half_made = CacheEntry(path, {"factor": 1}, "key")
+    root, factors = tmp_path / "root", {"factor": 1}
+    path = CacheEntry.create(root, "model", factors, "graph v1", []).path
+    half_made = CacheEntry(path, factors, "key")
     half_made._load_index()
-    half_made.files.pop(GRAPH)  # as if the creating process had not recorded it yet
+    half_made.index.files.pop(GRAPH)  # as if the creating process had not recorded it yet
     half_made._write_index()
     (path / GRAPH).unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error", CacheDamagedWarning)
-        CacheEntry(path, {"factor": 1}, "key").open("graph v1", [])
+        CacheEntry.create(root, "model", factors, "graph v1", [])
     assert (path / GRAPH).read_text() == "graph v1"
     (path / GRAPH).write_text("tampered")  # now the index vouches for it: damage
     with pytest.warns(CacheDamagedWarning, match=GRAPH):
-        CacheEntry(path, {"factor": 1}, "key").open("graph v1", [])
+        CacheEntry.create(root, "model", factors, "graph v1", [])

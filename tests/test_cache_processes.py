@@ -171,7 +171,7 @@ def test_cli_ls_verify_clear_prune(tmp_path):
 
 
 def test_prune_never_removes_an_entry_in_use(tmp_path):
-    from tessera.cachetools import find_entries, prune
+    from tessera.cache.tools import find_entries, prune
 
     cache = tmp_path / "cache"
     run_toy(cache, tmp_path / "a.pt", "--backend", "eager", "--layers", "1")

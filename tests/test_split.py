@@ -96,7 +96,7 @@ def test_layout_keeper_copies_outputs_into_the_traced_strides():
     from tessera.piece import SizeSource
 
     # Traced as a [s, 4] tensor with column-major strides (1, s); the real op returns row-major.
-    layout = OutputLayout(strides=(("1", "s0"),), symbol="s0", size_source=SizeSource(1))
+    layout = OutputLayout(strides=(((1,), (1, 0)),), size_source=SizeSource(1))  # strides (1, s)
     keeper = LayoutKeeper(lambda x, n: x * 2, layout)
     x = torch.randn(3, 4)
     out = keeper(x, 3)

@@ -63,8 +63,9 @@ def cache_command(args: argparse.Namespace) -> int:
     from datetime import datetime
     from pathlib import Path
 
-    from tessera import cachetools
-    from tessera.cache import cache_root
+    from tessera.cache import explain as cache_explain
+    from tessera.cache import tools as cachetools
+    from tessera.cache.store import cache_root
 
     root = cache_root(args.root)
     action = args.cache_command
@@ -88,7 +89,7 @@ def cache_command(args: argparse.Namespace) -> int:
 
             os.environ["TESSERA_CACHE_DIR"] = str(root)
             runpy.run_path(args.script, run_name="__main__")
-        for line in cachetools.explain(root, Path(args.entry) if args.entry else None):
+        for line in cache_explain.explain(root, Path(args.entry) if args.entry else None):
             print(line)
         return 0
     if action == "verify":

@@ -1,90 +1,18 @@
-"""Cache key factors: what makes two compiles interchangeable, and how two sets of factors differ.
+"""Why a cache entry missed: the factors that differ from its nearest neighbour, in words.
 
-The key is sha256 over the factors; nothing that varies run to run (paths, pids, times) enters it.
+``tessera cache explain`` prints these lines; source files get a one-line diff summary.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
-import os
-import types
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.fx
-
-from tessera.config import CompileConfig
-
-# TESSERA_* variables that change compiled code (the others: paths and switches, do not).
-CODE_ENV_VARS = (
-    "TESSERA_MODE",
-    "TESSERA_BACKEND",
-    "TESSERA_COMPILE_SIZES",
-    "TESSERA_COMPILE_RANGES",
-    "TESSERA_MAX_SIZE",
-    "TESSERA_CUDAGRAPH_MODE",
-    "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
-)
-_TORCH_DIR = str(Path(torch.__file__).parent)
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """A source file Dynamo traced: where it is now, and the sha256 of its content."""
-
-    path: str
-    sha256: str
-
-
-def traced_sources(codes: Iterable[types.CodeType]) -> list[SourceFile]:
-    """The files behind the traced code objects, torch's own excepted (the torch version covers them)."""
-    out = {}
-    for code in codes:
-        name = code.co_filename
-        if name in out or name.startswith(_TORCH_DIR) or not os.path.isfile(name):
-            continue
-        out[name] = SourceFile(name, hashlib.sha256(Path(name).read_bytes()).hexdigest())
-    return sorted(out.values(), key=lambda s: s.path)
-
-
-def graph_signature(gm: torch.fx.GraphModule) -> str:
-    """sha256 of the traced graph's code and its inputs' shapes, dtypes and devices."""
-    parts = [gm.code]
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            value = node.meta.get("example_value")
-            if isinstance(value, torch.Tensor):
-                parts.append(f"{node.name}:{tuple(map(str, value.shape))}:{value.dtype}:{value.device}")
-            else:
-                parts.append(f"{node.name}:{type(value).__name__}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-def collect_factors(
-    config: CompileConfig,
-    compiler_name: str,
-    compiler_hash: str,
-    sources: list[SourceFile],
-    graph_hash: str,
-) -> dict[str, Any]:
-    """The raw factors, JSON-ready. Source files enter by content, under their base name only."""
-    return {
-        "env": {name: os.environ[name] for name in CODE_ENV_VARS if name in os.environ},
-        "config": config.hash_factors(),
-        "compiler": {"name": compiler_name, "hash": compiler_hash},
-        "torch_version": torch.__version__,
-        "graph": graph_hash,
-        "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
-    }
-
-
-def compute_key(factors: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+from tessera.cache.store import FACTORS
+from tessera.cache.tools import entry_info, find_entries
 
 
 def factor_differences(
@@ -145,3 +73,53 @@ def _diff_summary(old: str | None, new: str | None) -> str:
     changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")][:4]
     shown = "; ".join(line.strip()[:80] for line in changed)
     return f" (+{added}/-{removed} lines, first hunk {first}: {shown})"
+
+
+def _load_factors(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((path / FACTORS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _sources(path: Path) -> dict[str, str]:
+    out = {}
+    for snapshot in (path / "sources").glob("*@*"):
+        try:
+            out[snapshot.name] = snapshot.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def explain(root: Path, entry: Path | None = None) -> list[str]:
+    """Why ``entry`` (default: the newest) missed: the factors that differ from its nearest entry."""
+    entries = find_entries(root)
+    if not entries:
+        return [f"no cache entries under {root}"]
+    infos = {p: entry_info(p) for p in entries}
+    target = entry or max(entries, key=lambda p: infos[p].created)
+    new = _load_factors(target)
+    if new is None:
+        return [f"{target}: no readable {FACTORS}"]
+    candidates = [p for p in entries if p != target and _load_factors(p) is not None]
+    same_prefix = [p for p in candidates if p.name == target.name] or candidates
+    if not same_prefix:
+        return [f"{target} is the only entry: a first compile, nothing to compare with"]
+
+    def distance(p: Path) -> int:
+        return len(factor_differences(new, _load_factors(p) or {}))
+
+    nearest = min(same_prefix, key=distance)
+    old = _load_factors(nearest) or {}
+    new_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(target).items() if _in(k, new)}
+    old_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(nearest).items() if _in(k, old)}
+    lines = [f"entry {target}", f"nearest existing entry {nearest}; differences:"]
+    differences = factor_differences(new, old, new_text, old_text)
+    lines.extend(f"  - {d}" for d in differences or ["(none: the entries have equal factors)"])
+    return lines
+
+
+def _in(snapshot_name: str, factors: dict[str, Any]) -> bool:
+    return snapshot_name in factors.get("sources", {})

@@ -1,6 +1,6 @@
-"""Operator tools over a cache root: list, explain, verify, clear and prune entries.
+"""Operator tools over a cache root: list, verify, clear and prune entries.
 
-Pure functions returning records or lines; ``tessera cache ...`` (cli.py) prints them.
+Pure functions returning records or lines; ``tessera cache ...`` (the CLI) prints them.
 """
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from tessera.cache import FACTORS, INDEX, INUSE, exclusive_if_unused, parse_index, sha256_file
-from tessera.cachekey import factor_differences
+from tessera.cache.index import FileRecord
+from tessera.cache.store import FACTORS, INDEX, INUSE, check_file, exclusive_if_unused, read_index
 
 
 @dataclass(frozen=True)
@@ -51,9 +50,9 @@ def entry_info(path: Path) -> EntryInfo:
     pieces: set[int] = set()
     sizes: set[str] = set()
     try:
-        index = parse_index((path / INDEX).read_text(encoding="utf-8"))
-        created = index["created"]
-        for size, piece, _ in index["entries"]:
+        index = read_index(path)
+        created = index.created
+        for size, piece, _ in index.entries:
             pieces.add(piece)
             sizes.add(size if isinstance(size, str) else str(size))
     except (OSError, ValueError, SyntaxError, UnicodeDecodeError):
@@ -74,27 +73,28 @@ def entry_info(path: Path) -> EntryInfo:
 
 
 def verify(root: Path) -> list[str]:
-    """Problems found (empty: every index parses and every artifact matches its checksum)."""
+    """Problems found (empty: every index parses and every file matches its checksum)."""
     problems = []
     for path in find_entries(root):
         try:
-            index = parse_index((path / INDEX).read_text(encoding="utf-8"))
+            index = read_index(path)
         except FileNotFoundError:
             problems.append(f"{path / INDEX}: missing")
             continue
-        except (ValueError, SyntaxError, UnicodeDecodeError) as e:
+        except (OSError, ValueError, SyntaxError, UnicodeDecodeError) as e:
             problems.append(f"{path / INDEX}: unreadable ({type(e).__name__})")
             continue
         try:
             json.loads((path / FACTORS).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             problems.append(f"{path / FACTORS}: {type(e).__name__}")
-        for key, record in index["entries"].items():
-            artifact = path / record["file"]
-            if not artifact.exists():
-                problems.append(f"{artifact}: missing (entry {key})")
-            elif sha256_file(artifact) != record["sha256"]:
-                problems.append(f"{artifact}: checksum mismatch (entry {key})")
+        records: list[tuple[str, FileRecord]] = [(f"entry {k}", r) for k, r in index.entries.items()]
+        if index.model is not None:
+            records.append(("whole-model artifact", index.model))
+        for what, record in records:
+            problem = check_file(path, record)
+            if problem is not None:
+                problems.append(f"{path / record.file}: {problem} ({what})")
     return problems
 
 
@@ -144,56 +144,6 @@ def parse_size(text: str) -> int:
         raise ValueError(f"cannot read size {text!r}; use e.g. 500M or 2G")
     number, unit = float(match.group(1)), match.group(2)
     return int(number * 1024 ** " kmgt".index(unit or " "))
-
-
-def _load_factors(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((path / FACTORS).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _sources(path: Path) -> dict[str, str]:
-    out = {}
-    for snapshot in (path / "sources").glob("*@*"):
-        try:
-            out[snapshot.name] = snapshot.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-    return out
-
-
-def explain(root: Path, entry: Path | None = None) -> list[str]:
-    """Why ``entry`` (default: the newest) missed: the factors that differ from its nearest entry."""
-    entries = find_entries(root)
-    if not entries:
-        return [f"no cache entries under {root}"]
-    infos = {p: entry_info(p) for p in entries}
-    target = entry or max(entries, key=lambda p: infos[p].created)
-    new = _load_factors(target)
-    if new is None:
-        return [f"{target}: no readable {FACTORS}"]
-    candidates = [p for p in entries if p != target and _load_factors(p) is not None]
-    same_prefix = [p for p in candidates if p.name == target.name] or candidates
-    if not same_prefix:
-        return [f"{target} is the only entry: a first compile, nothing to compare with"]
-
-    def distance(p: Path) -> int:
-        return len(factor_differences(new, _load_factors(p) or {}))
-
-    nearest = min(same_prefix, key=distance)
-    old = _load_factors(nearest) or {}
-    new_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(target).items() if _in(k, new)}
-    old_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(nearest).items() if _in(k, old)}
-    lines = [f"entry {target}", f"nearest existing entry {nearest}; differences:"]
-    differences = factor_differences(new, old, new_text, old_text)
-    lines.extend(f"  - {d}" for d in differences or ["(none: the entries have equal factors)"])
-    return lines
-
-
-def _in(snapshot_name: str, factors: dict[str, Any]) -> bool:
-    return snapshot_name in factors.get("sources", {})
 
 
 def human_bytes(n: float) -> str:

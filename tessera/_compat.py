@@ -1,0 +1,355 @@
+"""Every private PyTorch API tessera touches, in one place, with the versions it was checked on.
+
+Nothing here is imported eagerly: Dynamo and Inductor cost ~1 s to import, and a warm start from
+the whole-model artifact needs neither. Each helper says which torch versions it was checked on
+(2.11 and 2.13 unless noted) and what public API would let it go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Dynamo installs the compiled graph as a global of the traced function's module under a name
+# with this prefix (torch 2.11-2.13, convert_frame / output_graph). No public name exists.
+COMPILED_FN_PREFIX = "__compiled_fn"
+
+
+# -- Dynamo -------------------------------------------------------------------------------------
+def dynamo() -> types.ModuleType:
+    """``torch._dynamo``, imported on first use (~0.6 s): only the tracing path needs it."""
+    import torch._dynamo
+
+    return torch._dynamo
+
+
+def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None]) -> Any:
+    """Call ``hook(original, transformed)`` for every frame Dynamo converts; returns a handle.
+
+    torch 2.11-2.13: ``torch._dynamo.convert_frame.register_bytecode_hook`` (no public API yet).
+    """
+    from torch._dynamo.convert_frame import register_bytecode_hook as register
+
+    return register(hook)  # type: ignore[arg-type]
+
+
+def reset_code(code: types.CodeType) -> None:
+    """Drop Dynamo's compiled entries for one code object (torch 2.11-2.13: ``_dynamo.reset_code``)."""
+    dynamo().reset_code(code)
+
+
+@contextlib.contextmanager
+def single_trace_settings() -> Iterator[None]:
+    """Dynamo settings for the one guard-free trace tessera makes of a function.
+
+    A full recompile cache of earlier entries of this code must never refuse our trace
+    (``recompile_limit`` names, torch 2.11-2.13).
+    """
+    with dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        yield
+
+
+def trace_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's errors for code that cannot be one graph (``Unsupported``, ``UserError``)."""
+    exc = dynamo().exc
+    return (exc.Unsupported, exc.UserError)
+
+
+def constraint_violation_error() -> type[BaseException]:
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    return ConstraintViolationError
+
+
+def traced_code_objects() -> list[types.CodeType] | None:
+    """The code objects Dynamo traced for the graph being compiled, or None if unknown.
+
+    ``TracingContext.get_traced_code()`` on torch 2.13; its ``traced_code`` list attribute on
+    torch 2.11. Remove the fallback once 2.13 is the oldest supported torch.
+    """
+    context = torch._guards.TracingContext
+    getter = getattr(context, "get_traced_code", None)
+    if getter is not None:
+        return list(getter() or ())
+    current = context.try_get()
+    codes = getattr(current, "traced_code", None) if current is not None else None
+    return list(codes) if codes else None
+
+
+def sym_expr(value: torch.SymInt) -> Any:
+    """The sympy expression behind a SymInt (``SymInt.node.expr``, torch 2.11-2.13)."""
+    return value.node.expr
+
+
+def is_constant_symint(value: torch.SymInt) -> bool:
+    return not sym_expr(value).free_symbols
+
+
+def op_schema_name(op: torch._ops.OpOverload) -> str:
+    """``ns::op`` of an overload (``OpOverload._schema.name``, torch 2.11-2.13)."""
+    return op._schema.name  # type: ignore[no-any-return]
+
+
+def op_overload_name(op: torch._ops.OpOverload) -> str:
+    return f"{op._schema.name}.{op._overloadname}"
+
+
+def packet_name(op: torch._ops.OpOverloadPacket) -> str:
+    return op._qualified_op_name  # type: ignore[no-any-return]
+
+
+# Helpers Dynamo's transformed bytecode calls through ``__import_torch_dot__dynamo_dot_utils``
+# (torch 2.11-2.13). Served here so that running saved bytecode never imports Dynamo; any other
+# attribute falls through to the real module. Each mirrors torch/_dynamo/utils.py.
+def _call_size(x: Any, i: int) -> int:
+    return x.size(i)  # type: ignore[no-any-return]
+
+
+def _call_stride(x: Any, i: int) -> int:
+    return x.stride(i)  # type: ignore[no-any-return]
+
+
+def _call_storage_offset(x: Any) -> int:
+    return x.storage_offset()  # type: ignore[no-any-return]
+
+
+def _record_pregraph_bytecode_enter() -> Any:
+    cm: Any = (
+        torch._C._profiler._RecordFunctionFast("Pregraph bytecode")
+        if torch.autograd.profiler._is_profiler_enabled
+        else contextlib.nullcontext()
+    )
+    cm.__enter__()
+    return cm
+
+
+def _record_pregraph_bytecode_exit(cm: Any) -> None:
+    cm.__exit__(None, None, None)
+
+
+def _object_setattr_ignore_descriptor(obj: Any, name: str, value: Any) -> None:
+    import threading
+
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        if not isinstance(obj, threading.local):
+            raise
+        d = threading.local.__getattribute__(obj, "__dict__")
+    d[name] = value
+
+
+DYNAMO_UTILS_HELPERS: dict[str, Callable[..., Any]] = {
+    "call_size": _call_size,
+    "call_stride": _call_stride,
+    "call_storage_offset": _call_storage_offset,
+    "record_pregraph_bytecode_enter": _record_pregraph_bytecode_enter,
+    "record_pregraph_bytecode_exit": _record_pregraph_bytecode_exit,
+    "object_setattr_ignore_descriptor": _object_setattr_ignore_descriptor,
+}
+
+
+class LazyModule(types.ModuleType):
+    """Stands in for a module that saved bytecode reads: known helpers without importing it.
+
+    Any attribute not in ``helpers`` imports the real module (correct, only slower).
+    """
+
+    def __init__(self, name: str, helpers: dict[str, Callable[..., Any]]) -> None:
+        super().__init__(name)
+        self.__dict__.update(helpers)
+        self._tessera_real = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        log.debug("saved bytecode reads %s.%s: importing %s", self._tessera_real, attr, self._tessera_real)
+        return getattr(importlib.import_module(self._tessera_real), attr)
+
+
+def module_for_bytecode(name: str) -> types.ModuleType:
+    """The module object saved bytecode should see for ``name`` (Dynamo's own: a lazy stand-in)."""
+    import importlib
+
+    if name in sys.modules:
+        return sys.modules[name]
+    if name == "torch._dynamo.utils":
+        return LazyModule(name, DYNAMO_UTILS_HELPERS)
+    if name.startswith("torch._dynamo"):
+        return LazyModule(name, {})
+    return importlib.import_module(name)
+
+
+# -- Inductor -----------------------------------------------------------------------------------
+# Inductor config keys that never change generated code, or that tessera sets itself per
+# process (the ISA probe result): kept out of cache keys (torch 2.11-2.13 names).
+INDUCTOR_CONFIG_NOT_IN_KEY = frozenset({"cpp.vec_isa_ok", "post_grad_custom_post_pass"})
+
+
+def inductor_config() -> Any:
+    from torch._inductor import config
+
+    return config
+
+
+def inductor_config_repr() -> str:
+    """The whole Inductor config as a string equal across processes with equal settings."""
+    config = inductor_config()
+    try:
+        saved = config.save_config_portable()
+    except Exception:  # older torch: the plain dict of settings
+        saved = config.get_config_copy()
+    return repr(
+        sorted(
+            (k, repr(v))
+            for k, v in saved.items()
+            if not k.startswith("_") and k not in INDUCTOR_CONFIG_NOT_IN_KEY
+        )
+    )
+
+
+def inductor_config_overrides() -> str:
+    """Inductor settings changed from their defaults, without importing Inductor.
+
+    If the config module is not loaded, only ``TORCHINDUCTOR_*`` variables can have changed it.
+    """
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
+    module = sys.modules.get("torch._inductor.config")
+    changed: list[tuple[str, str]] = []
+    entries = getattr(module, "_config", None) if module is not None else None
+    if isinstance(entries, dict):
+        for name, entry in entries.items():
+            if name.startswith("_") or name in INDUCTOR_CONFIG_NOT_IN_KEY:
+                continue
+            with contextlib.suppress(Exception):
+                value = getattr(module, name)
+                if value != getattr(entry, "default", value):
+                    changed.append((name, repr(value)))
+    return repr((env, sorted(changed)))
+
+
+def standalone_compile(
+    graph: torch.fx.GraphModule, inputs: list[Any], dynamic_shapes: str, patches: dict[str, Any]
+) -> Any:
+    """``torch._inductor.standalone_compile`` across 2.11-2.13."""
+    import inspect
+
+    from torch._inductor import standalone_compile as compile_
+
+    if "donate_graph_module" not in inspect.signature(compile_).parameters:
+        # torch < 2.12 (seen on 2.11) may rewrite the graph it is given; we keep using ours for
+        # fallbacks and dumps, so hand it a copy. Remove once 2.12 is the oldest supported torch.
+        import copy
+
+        graph = copy.deepcopy(graph)
+    return compile_(
+        graph,
+        inputs,
+        dynamic_shapes=dynamic_shapes,  # type: ignore[arg-type]
+        options={"config_patches": patches},
+    )
+
+
+def load_compiled_artifact(path: str) -> Any:
+    """Inductor's own loader of a standalone-compile artifact (imports all of Inductor)."""
+    from torch._inductor import CompiledArtifact
+
+    return CompiledArtifact.load(path=path, format="binary")
+
+
+def find_compiled_graph(artifact: Any) -> Any | None:
+    """The ``CompiledFxGraph`` inside a standalone-compile artifact, or None.
+
+    There is no public accessor (torch 2.11-2.13): walk the wrapper chain (closures and the
+    ``compiled_fn`` / ``current_callable`` attributes) to the object holding the output code.
+    """
+    seen: set[int] = set()
+    todo: list[Any] = [artifact]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or len(seen) > 500:
+            continue
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "source_code", None), str) and callable(
+            getattr(obj, "current_callable", None)
+        ):
+            return obj
+        for attr in ("_compiled_fn", "compiled_fn", "current_callable", "__wrapped__", "__func__"):
+            value = getattr(obj, attr, None)
+            if value is not None and not isinstance(value, (str, int, bool)):
+                todo.append(value)
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):
+                todo.append(cell.cell_contents)
+    return None
+
+
+def kernel_env() -> dict[str, str]:
+    """What an Inductor C++ kernel module needs in the environment before it is loaded.
+
+    torch 2.13 kernels find ``THPVariable_Unpack``-like helpers through this variable (set by
+    ``CppPythonBindingsCodeCache``); torch 2.11 kernels need nothing.
+    """
+    guards = getattr(torch._C, "_dynamo", None)
+    pointer = getattr(getattr(guards, "guards", None), "_torchinductor_pyobject_tensor_data_ptr", None)
+    return {} if pointer is None else {"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": str(pointer)}
+
+
+def extern_kernels() -> Any:
+    """Inductor's namespace of extern kernels (``select_algorithm.extern_kernels``)."""
+    from torch._inductor.select_algorithm import extern_kernels as namespace
+
+    return namespace
+
+
+@functools.cache
+def vec_isa_candidates() -> tuple[str, ...]:
+    """The vector ISAs the CPU flags claim (x86), widest first, without Inductor's build probe.
+
+    ``cpu_vec_isa.valid_vec_isa_list`` (torch 2.11-2.13) also compiles and loads a test program
+    per candidate in a subprocess (~1 s warm, ~8 s on an empty Inductor cache). Uses its
+    ``supported_vec_isa_list`` and ``x86_isa_checker``; anything unexpected gives ().
+    """
+    try:
+        import platform
+
+        from torch._inductor import cpu_vec_isa
+
+        if platform.machine() not in ("x86_64", "AMD64"):
+            return ()
+        flags = cpu_vec_isa.x86_isa_checker()
+        return tuple(
+            str(isa)
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in flags for flag in str(isa).split())
+        )
+    except Exception as e:  # a torch without these helpers: never trust, always probe
+        log.debug("cannot read the CPU's vector ISA candidates: %s", e)
+        return ()
+
+
+def picked_vec_isa() -> str:
+    """The ISA Inductor generates CPU code for in this process (runs its probe if not yet run)."""
+    from torch._inductor import cpu_vec_isa
+
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+@contextlib.contextmanager
+def trusted_vec_isa(trust: bool) -> Iterator[None]:
+    """Skip Inductor's per-process ISA probe when an earlier probe on this machine agreed with the flags."""
+    if not trust:
+        yield
+        return
+    with inductor_config().patch({"cpp.vec_isa_ok": True}):
+        yield

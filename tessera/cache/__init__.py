@@ -1,0 +1,12 @@
+"""The persistent, content-addressed compile cache: one package, one module per concern.
+
+``store`` (entries, atomic writes, locks), ``index`` (the one ``(size, piece, compiler)``
+schema), ``key`` (factors, fingerprints, piece content), ``artifact`` (whole-model artifact),
+``explain`` (why a miss) and ``tools`` (ls / verify / clear / prune).
+"""
+
+from __future__ import annotations
+
+from tessera.cache.store import CacheDamagedWarning, cache_root
+
+__all__ = ["CacheDamagedWarning", "cache_root"]

@@ -1,0 +1,174 @@
+"""The whole-model artifact: what rebuilds a compiled model in a new process without Dynamo.
+
+It holds Dynamo's bytecode in portable form, the split module and each piece's dispatch record;
+the piece artifacts stay content-addressed in the entry. A pointer file per model fingerprint
+(``<root>/warm/<fingerprint>.json``) finds the entry before anything is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import platform
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from tessera.cache.key import SourceFile
+from tessera.cache.store import MODEL, atomic_write, report_damage, sha256_file
+from tessera.layout import OutputLayout
+from tessera.piece import PieceRecord
+from tessera.wrapper import PortableCode
+
+WARM_DIR = "warm"
+FORMAT = 3
+
+
+class WarmStartUnavailable(Exception):
+    """The Dynamo-free path cannot be used this time (the reason); the caller traces instead."""
+
+
+@dataclass(frozen=True)
+class PortableModule:
+    """An FX module's forward as its generated source and the globals and attributes it reads.
+
+    Rebuilt by one ``exec``: unpickling a GraphModule re-traces its code (~10 ms a module, which
+    a 32-layer model pays 65 times); identical modules (every layer's attention) share one source.
+    """
+
+    source: str
+    modules: tuple[tuple[str, str], ...]  # (global name, module name)
+    values: bytes  # pickle of the other globals and of the attributes the code reads from self
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule) -> PortableModule:
+        code = gm.graph.python_code(root_module="self")
+        modules = {n: v.__name__ for n, v in code.globals.items() if isinstance(v, types.ModuleType)}
+        others = {n: v for n, v in code.globals.items() if n not in modules}
+        attrs = {str(n.target): _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
+        return cls(code.src, tuple(sorted(modules.items())), pickle.dumps((others, attrs)))
+
+    def build(self, attributes: dict[str, Any]) -> Callable[..., Any]:
+        """The forward, bound to an object holding ``attributes`` and the saved ones."""
+        import importlib
+
+        others, attrs = pickle.loads(self.values)
+        namespace = {**others, **{n: importlib.import_module(m) for n, m in self.modules}}
+        exec(compile(self.source, "<tessera split module>", "exec"), namespace)
+        holder = types.SimpleNamespace(**attrs, **attributes)
+        return types.MethodType(namespace["forward"], holder)
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@dataclass(frozen=True)
+class ModelArtifact:
+    """Everything but the piece artifacts, which stay content-addressed in the entry."""
+
+    format: int
+    python: str
+    code: PortableCode  # Dynamo's bytecode: calls the split module with the graph inputs
+    split_module: PortableModule  # calls the pieces in order
+    modules: tuple[tuple[str, PortableModule], ...]  # splitting piece -> its module
+    graphs: tuple[tuple[str, bytes], ...]  # content -> pickled piece graph (for compilers that need it)
+    piece_graphs: tuple[tuple[str, str], ...]  # compiled piece -> content of its graph
+    pieces: tuple[PieceRecord, ...]  # the compiled pieces' records
+    layouts: tuple[tuple[str, OutputLayout | None], ...]  # splitting piece -> output strides
+    sources: tuple[SourceFile, ...]
+
+
+def make(
+    code: PortableCode,
+    split_gm: torch.fx.GraphModule,
+    pieces: Sequence[PieceRecord],
+    splitting: Sequence[str],
+    layouts: Sequence[tuple[str, OutputLayout | None]],
+    sources: Sequence[SourceFile],
+    contents: dict[str, str] | None,
+) -> ModelArtifact:
+    """The artifact of a finished trace. ``contents`` (piece -> content hash) keeps the compiled
+    pieces' graphs, once per distinct content, for compilers that load from a graph."""
+    # _modules, not getattr: the backend shadows each submodule with what runs it.
+    children: dict[str, Any] = dict(split_gm.named_children())
+    modules = {name: PortableModule.of(children[name]) for name in splitting}
+    graphs: dict[str, bytes] = {}
+    piece_graphs = []
+    for record in pieces:
+        if contents is None:
+            break
+        content = contents[record.name]
+        if content not in graphs:
+            graphs[content] = pickle.dumps(children[record.name])
+        piece_graphs.append((record.name, content))
+    return ModelArtifact(
+        format=FORMAT,
+        python=platform.python_version(),
+        code=code,
+        split_module=PortableModule.of(split_gm),
+        modules=tuple(modules.items()),
+        graphs=tuple(graphs.items()),
+        piece_graphs=tuple(piece_graphs),
+        pieces=tuple(dataclasses.replace(p, served=()) for p in pieces),
+        layouts=tuple(layouts),
+        sources=tuple(sources),
+    )
+
+
+def dumps(artifact: ModelArtifact) -> bytes:
+    return pickle.dumps(artifact, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> ModelArtifact:
+    """Unpickle an artifact (its checksum was verified by the caller) and check it fits here."""
+    try:
+        artifact = pickle.loads(data)
+    except Exception as e:
+        raise WarmStartUnavailable(f"{MODEL} does not load ({type(e).__name__}: {e})") from e
+    if not isinstance(artifact, ModelArtifact) or artifact.format != FORMAT:
+        raise WarmStartUnavailable(f"{MODEL} has another format")
+    if artifact.python != platform.python_version():
+        raise WarmStartUnavailable(f"the artifact's bytecode is for Python {artifact.python}")
+    for source in artifact.sources:
+        try:
+            if sha256_file(Path(source.path)) != source.sha256:
+                raise WarmStartUnavailable(f"{source.path} changed since the artifact was made")
+        except OSError as e:
+            raise WarmStartUnavailable(f"{source.path} is not readable") from e
+    return artifact
+
+
+def pointer_path(root: Path, fingerprint: str) -> Path:
+    return root / WARM_DIR / f"{fingerprint[:32]}.json"
+
+
+def write_pointer(root: Path, fingerprint: str, entry_path: Path) -> None:
+    """Record which entry this fingerprint leads to (path relative to the root)."""
+    relative = entry_path.relative_to(root).as_posix()
+    atomic_write(pointer_path(root, fingerprint), json.dumps({"entry": relative}).encode())
+
+
+def read_pointer(root: Path, fingerprint: str) -> Path | None:
+    """The entry a fingerprint leads to; None if there is none (or it was removed)."""
+    path = pointer_path(root, fingerprint)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        relative = Path(data["entry"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        report_damage(path, f"unreadable ({type(e).__name__})")
+        raise WarmStartUnavailable(f"{path} is unreadable") from e
+    if relative.is_absolute() or ".." in relative.parts:
+        raise WarmStartUnavailable(f"{path} points outside the cache")
+    return root / relative

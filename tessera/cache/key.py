@@ -1,0 +1,296 @@
+"""What makes two compiles interchangeable: entry key factors, model fingerprints, piece content.
+
+Nothing that varies run to run (paths, pids, times) enters a key. Nothing here imports Dynamo or
+Inductor: a warm start computes the fingerprint before deciding whether it needs either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import marshal
+import os
+import platform
+import re
+import shutil
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from tessera.config import CompileConfig
+
+# TESSERA_* variables that change compiled code (the others: paths and switches, do not).
+CODE_ENV_VARS = (
+    "TESSERA_MODE",
+    "TESSERA_BACKEND",
+    "TESSERA_COMPILE_SIZES",
+    "TESSERA_COMPILE_RANGES",
+    "TESSERA_MAX_SIZE",
+    "TESSERA_CUDAGRAPH_MODE",
+    "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
+)
+FINGERPRINT_FORMAT = 3
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_json(value: Any) -> str:
+    return sha256_bytes(json.dumps(value, sort_keys=True, default=str).encode())
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source file Dynamo traced: where it is now, and the sha256 of its content."""
+
+    path: str
+    sha256: str
+
+
+def traced_sources(codes: Iterable[types.CodeType]) -> list[SourceFile]:
+    """The files behind the traced code objects, torch's own excepted (the torch version covers them)."""
+    out = {}
+    for code in codes:
+        name = code.co_filename
+        if name in out or name.startswith(_TORCH_DIR) or not os.path.isfile(name):
+            continue
+        out[name] = SourceFile(name, sha256_bytes(Path(name).read_bytes()))
+    return sorted(out.values(), key=lambda s: s.path)
+
+
+# -- the machine --------------------------------------------------------------------------------
+@functools.cache
+def machine_factors() -> dict[str, str]:
+    """What compiled CPU code depends on beyond torch: the CPU's flags and the C++ compiler.
+
+    Kernels built for one machine's vector ISA must not be loaded on another; the compiler is
+    identified by its path, size and modification time (no subprocess on a warm start).
+    """
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "features")):
+                    flags = " ".join(sorted(set(line.split(":", 1)[1].split())))
+                    break
+    except OSError:
+        flags = platform.processor()
+    compiler = os.environ.get("CXX") or "g++"
+    found = shutil.which(compiler)
+    identity = compiler
+    if found is not None:
+        stat = os.stat(found)
+        identity = f"{os.path.realpath(found)}:{stat.st_size}:{int(stat.st_mtime)}"
+    return {
+        "machine": platform.machine(),
+        "cpu_flags": sha256_bytes(flags.encode())[:16],
+        "cxx": identity,
+    }
+
+
+def machine_key() -> str:
+    return sha256_json(machine_factors())[:16]
+
+
+# -- entry key ----------------------------------------------------------------------------------
+def graph_signature(gm: torch.fx.GraphModule) -> str:
+    """sha256 of the traced graph's code and its inputs' shapes, dtypes and devices."""
+    parts = [gm.code]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                parts.append(f"{node.name}:{tuple(map(str, value.shape))}:{value.dtype}:{value.device}")
+            else:
+                parts.append(f"{node.name}:{type(value).__name__}")
+    return sha256_bytes("\n".join(parts).encode())
+
+
+def collect_factors(
+    config: CompileConfig,
+    compiler_name: str,
+    compiler_hash: str,
+    sources: Sequence[SourceFile],
+    graph_hash: str,
+) -> dict[str, Any]:
+    """The raw factors, JSON-ready. Source files enter by content, under their base name only."""
+    return {
+        "env": {name: os.environ[name] for name in CODE_ENV_VARS if name in os.environ},
+        "config": config.hash_factors(),
+        "compiler": {"name": compiler_name, "hash": compiler_hash},
+        "torch_version": torch.__version__,
+        "graph": graph_hash,
+        "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
+    }
+
+
+def compute_key(factors: Mapping[str, Any]) -> str:
+    return sha256_json(factors)
+
+
+# -- piece content ------------------------------------------------------------------------------
+def piece_content(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """sha256 of a piece as a compiler sees it: its nodes with positional names, and its inputs'
+    shapes, strides, dtypes and devices. Two transformer layers give the same value, so each
+    distinct piece is compiled once."""
+    symbols: dict[str, str] = {}
+
+    def canon(text: str) -> str:
+        return _SYMBOL.sub(lambda m: symbols.setdefault(m.group(0), f"S{len(symbols)}"), text)
+
+    def describe_input(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return canon(
+                f"T{tuple(map(str, value.shape))}{tuple(map(str, value.stride()))}"
+                f"{value.dtype}{value.device}{value.requires_grad}"
+            )
+        if isinstance(value, torch.SymInt):
+            return canon(f"I{value}")
+        return f"{type(value).__name__}:{value!r}"
+
+    lines = [describe_input(v) for v in example_inputs]
+    lines.extend(_canonical_nodes(graph, canon))
+    return sha256_bytes("\n".join(lines).encode())
+
+
+def _canonical_nodes(graph: torch.fx.GraphModule, canon: Any) -> list[str]:
+    names: dict[torch.fx.Node, str] = {}
+    lines = []
+
+    def arg(value: Any) -> Any:
+        return torch.fx.node.map_arg(value, lambda n: names[n])  # type: ignore[arg-type]
+
+    for i, node in enumerate(graph.graph.nodes):
+        names[node] = f"v{i}"
+        if node.op == "get_attr":
+            target = _attr_content(graph, str(node.target), canon)
+        elif node.op == "call_function":
+            target = _callable_name(node.target)
+        else:
+            target = str(node.target) if node.op != "placeholder" else ""
+        lines.append(canon(f"{names[node]}={node.op}:{target}({arg(node.args)!r},{arg(node.kwargs)!r})"))
+    return lines
+
+
+def _callable_name(target: Any) -> str:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', repr(target)))}"
+
+
+def _attr_content(graph: torch.fx.GraphModule, target: str, canon: Any) -> str:
+    value: Any = graph
+    for part in target.split("."):
+        value = getattr(value, part)
+    if isinstance(value, torch.fx.GraphModule):
+        return "graph:" + ";".join(_canonical_nodes(value, canon))
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        digest = sha256_bytes(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        return f"tensor:{tuple(value.shape)}:{value.dtype}:{value.device}:{digest}"
+    return f"attr:{type(value).__qualname__}:{value!r}"
+
+
+# -- model fingerprint (found before any trace) ---------------------------------------------------
+def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) -> Any:
+    """A stable, JSON-ready description of a value as a trace depends on it.
+
+    Tensors by dtype, device, rank, static sizes (dims in ``dynamic`` as ``*``) and contiguity;
+    scalars by value; containers and plain objects (a ``StaticCache``) by their contents, to a
+    bounded depth. Anything else by its type.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        shape = ["*" if d in dynamic else s for d, s in enumerate(value.shape)]
+        return [
+            "tensor",
+            str(value.dtype),
+            str(value.device),
+            shape,
+            value.is_contiguous(),
+            value.requires_grad,
+        ]
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    if depth >= 4:
+        return type(value).__qualname__
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [describe(v, depth=depth + 1) for v in value[:64]], len(value)]
+    if isinstance(value, dict):
+        return ["dict", sorted((str(k), describe(v, depth=depth + 1)) for k, v in list(value.items())[:64])]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            f.name: describe(getattr(value, f.name, None), depth=depth + 1) for f in dataclasses.fields(value)
+        }
+        return [type(value).__qualname__, sorted(fields.items())]
+    to_dict = getattr(value, "to_dict", None)  # Hugging Face configs
+    if callable(to_dict) and not isinstance(value, torch.nn.Module):
+        try:
+            return [type(value).__qualname__, json.dumps(to_dict(), sort_keys=True, default=str)]
+        except (TypeError, ValueError):
+            pass
+    attrs = getattr(value, "__dict__", None)
+    if isinstance(attrs, dict) and not isinstance(value, (torch.nn.Module, types.ModuleType, type)):
+        items = sorted(attrs.items(), key=lambda kv: str(kv[0]))[:64]
+        return [type(value).__qualname__, [(str(k), describe(v, depth=depth + 1)) for k, v in items]]
+    return type(value).__qualname__
+
+
+def _module_state(model: torch.nn.Module) -> list[Any]:
+    state: list[Any] = []
+    for name, module in model.named_modules():
+        attrs = {
+            k: describe(v, depth=2)
+            for k, v in vars(module).items()
+            if not k.startswith("_") and not isinstance(v, torch.nn.Module)
+        }
+        state.append((name, type(module).__qualname__, module.training, sorted(attrs.items())))
+        for pname, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if tensor is not None:
+                state.append((f"{name}.{pname}", tuple(tensor.shape), str(tensor.dtype), str(tensor.device)))
+    return state
+
+
+def fingerprint(
+    func: types.FunctionType,
+    bound_to: object | None,
+    arguments: Mapping[str, Any],
+    marked: Sequence[tuple[str, int]],
+    config: CompileConfig,
+    compiler_hash: str,
+    prefix: str,
+    rank: str,
+) -> str:
+    """sha256 over all that decides the traced graph and is known before tracing."""
+    code = func.__code__
+    dynamic: dict[str, set[int]] = {}
+    for name, dim in marked:
+        dynamic.setdefault(name, set()).add(dim)
+    factors = {
+        "format": FINGERPRINT_FORMAT,
+        "python": platform.python_version(),
+        "torch": [torch.__version__, getattr(torch.version, "git_version", None)],
+        "function": [func.__module__, func.__qualname__, Path(code.co_filename).name],
+        "code": sha256_bytes(marshal.dumps(code)),
+        "closure": [describe(c.cell_contents, depth=2) for c in (func.__closure__ or ())],
+        "defaults": describe(func.__defaults__),
+        "model": _module_state(bound_to) if isinstance(bound_to, torch.nn.Module) else repr(type(bound_to)),
+        "inputs": [(n, describe(v, frozenset(dynamic.get(n, ())))) for n, v in arguments.items()],
+        "state": [torch.is_grad_enabled(), str(torch.get_default_dtype()), torch.is_autocast_enabled()],
+        "config": config.compute_hash(),
+        "compiler": compiler_hash,
+        "where": [prefix, rank],
+    }
+    return sha256_json(factors)

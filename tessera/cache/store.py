@@ -1,0 +1,348 @@
+"""One model's entry in the cache: its directory, files, checksums, locks and in-use marker.
+
+``<root>/<key[:10]>/rank_<r>_<dp>/<prefix>/`` holds index.py, cache_key_factors.json,
+computation_graph.py, model_artifact.pkl, sources/ and artifacts/ (compiled pieces, by content).
+Every write is atomic (temp file + ``os.replace``); index updates are serialised by a file lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import filelock
+import platformdirs
+
+from tessera.cache import index as index_
+from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
+from tessera.cache.key import SourceFile, compute_key
+
+log = logging.getLogger(__name__)
+
+INDEX = "index.py"
+FACTORS = "cache_key_factors.json"
+GRAPH = "computation_graph.py"
+MODEL = "model_artifact.pkl"
+INUSE = ".inuse"
+ARTIFACTS = "artifacts"
+_HELD_OPEN: list[Any] = []  # in-use markers held (shared-locked) for the life of the process
+_WARNED: set[Path] = set()  # damaged files already reported by this process
+
+
+class CacheDamagedWarning(UserWarning):
+    """A cache file was missing or damaged; tessera rebuilt what depended on it."""
+
+
+def cache_root(configured: str | None) -> Path:
+    """The root every model's entries live under: config, ``$TESSERA_CACHE_DIR``, or the user cache."""
+    chosen = configured or os.environ.get("TESSERA_CACHE_DIR") or platformdirs.user_cache_dir("tessera")
+    return Path(chosen).expanduser()
+
+
+def rank_dir() -> str:
+    """``rank_<r>_<dp>``: the rank from torch.distributed when it is initialised, else 0."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    dp_rank = int(os.environ.get("TESSERA_DP_RANK", "0"))
+    return f"rank_{rank}_{dp_rank}"
+
+
+def entry_path(root: Path, key: str, prefix: str) -> Path:
+    return root / key[:10] / rank_dir() / prefix
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def report_damage(path: Path, problem: str) -> None:
+    """Warn once per damaged file per process (a CacheDamagedWarning naming the file)."""
+    if path in _WARNED:
+        return
+    _WARNED.add(path)
+    warnings.warn(f"tessera cache: {path} is {problem}; rebuilding it", CacheDamagedWarning, stacklevel=4)
+
+
+def check_file(base: Path, record: FileRecord) -> str | None:
+    """None if ``record``'s file under ``base`` has the recorded size and checksum, else the problem."""
+    if not record.file:
+        return None
+    path = base / record.file
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != record.size:
+        return f"{size} bytes where the index says {record.size}"
+    if sha256_file(path) != record.sha256:
+        return "checksum mismatch"
+    return None
+
+
+def read_index(path: Path) -> Index:
+    """The index of the entry at ``path``; OSError / ValueError / SyntaxError if unreadable."""
+    return index_.parse((path / INDEX).read_text(encoding="utf-8"))
+
+
+class CacheEntry:
+    """One model's directory in the cache, opened by this process."""
+
+    def __init__(self, path: Path, factors: Mapping[str, Any], key: str) -> None:
+        self.path = path
+        self.key = key
+        self.factors = dict(factors)
+        self.index = Index(created=time.time())
+        self.existed = False
+        self._lock = filelock.FileLock(str(path / ".lock"))
+
+    @classmethod
+    def create(
+        cls,
+        root: Path,
+        prefix: str,
+        factors: Mapping[str, Any],
+        graph_dump: str,
+        sources: Sequence[SourceFile],
+    ) -> CacheEntry:
+        """Open (creating if needed) the entry for ``factors``; damaged side files are rewritten."""
+        key = compute_key(factors)
+        entry = cls(entry_path(root, key, prefix), factors, key)
+        entry._open(graph_dump, sources)
+        return entry
+
+    @classmethod
+    def open_existing(cls, path: Path) -> CacheEntry:
+        """Open an entry for a start without Dynamo; every file it vouches for is verified.
+
+        Raises ``EntryUnusable`` (after reporting damage) when it cannot be trusted.
+        """
+        if not path.is_dir():
+            raise EntryUnusable("it was removed")  # pruned or cleared: a plain miss
+        try:
+            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            factors = None
+        entry = cls(path, factors if isinstance(factors, dict) else {}, path.parent.parent.name)
+        entry.existed = True
+        problem = entry._load_index()
+        if problem is not None:
+            entry.report_damage(INDEX, problem)
+            raise EntryUnusable(f"its index is {problem}")
+        if not {FACTORS, GRAPH} <= set(entry.index.files):
+            raise EntryUnusable("it was not finished by the process that made it")
+        for name, sha in sorted(entry.index.files.items()):
+            try:
+                actual: str | None = sha256_file(path / name)
+            except FileNotFoundError:
+                actual = None
+            if actual != sha:
+                problem = "missing" if actual is None else "content does not match its key"
+                entry.report_damage(name, problem)
+                raise EntryUnusable(f"{name} is {problem}")
+        entry._mark_in_use()
+        return entry
+
+    # -- opening -------------------------------------------------------------------------------
+    def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
+        self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
+        (self.path / ARTIFACTS).mkdir(parents=True, exist_ok=True)
+        self._mark_in_use()
+        self._read_or_reset_index()
+        factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
+        self._ensure_file(FACTORS, factors_text.encode())
+        self._ensure_file(GRAPH, graph_dump.encode())
+        for source in sources:  # snapshots for `cache explain`, checked like every other file
+            with contextlib.suppress(OSError):
+                content = Path(source.path).read_bytes()
+                if hashlib.sha256(content).hexdigest() == source.sha256:
+                    self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
+
+    def _read_or_reset_index(self) -> None:
+        problem = self._load_index()
+        if problem is None:
+            return
+        if self.existed:
+            self.report_damage(INDEX, problem)
+        with self._lock:
+            # Another process may have written a good index since we looked: never clobber it.
+            if self._load_index() is not None:
+                self.index = Index(created=time.time())
+                self._write_index()
+
+    def _load_index(self) -> str | None:
+        """Read the index; return the problem if it cannot be trusted."""
+        try:
+            self.index = read_index(self.path)
+        except FileNotFoundError:
+            return "missing"
+        except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as e:
+            return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
+        return None
+
+    def _ensure_file(self, name: str, expected: bytes) -> None:
+        path = self.path / name
+        try:
+            actual = path.read_bytes()
+        except FileNotFoundError:
+            actual = None
+        digest = hashlib.sha256(expected).hexdigest()
+        if actual == expected:
+            if self.index.files.get(name) != digest:
+                self._record_file(name, digest)
+            return
+        # Damage only where the index vouches for the file: another process may be creating this
+        # entry right now, and a file it has not written yet is not a damaged one.
+        if self.index.files.get(name) is not None:
+            self.report_damage(name, "missing" if actual is None else "content does not match its key")
+        atomic_write(path, expected)
+        self._record_file(name, digest)
+
+    def _record_file(self, name: str, digest: str) -> None:
+        with self._updating_index():
+            self.index.files[name] = digest
+
+    def _mark_in_use(self) -> None:
+        marker = self.path / INUSE
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: prune falls back to last-used times only
+            marker.touch()
+            return
+        f = marker.open("a+b")
+        with contextlib.suppress(OSError):
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        os.utime(marker)
+        _HELD_OPEN.append(f)
+
+    @contextlib.contextmanager
+    def _updating_index(self) -> Iterator[None]:
+        """Change ``self.index`` under the lock, merged with what other processes recorded."""
+        with self._lock:
+            with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
+                self.index = self.index.merged_with(read_index(self.path))
+            yield
+            self._write_index()
+
+    def _write_index(self) -> None:
+        atomic_write(self.path / INDEX, self.index.format().encode())
+
+    # -- artifacts -----------------------------------------------------------------------------
+    def record_artifact(self, key: IndexKey, written: str, content: str) -> ArtifactRecord:
+        """Move a freshly written artifact to its content address and record it in the index.
+
+        ``written`` is the file the compiler wrote (relative to the entry); "" records an
+        artifact with nothing on disk (the eager compiler's).
+        """
+        if written:
+            source = self.path / written
+            sha = sha256_file(source)
+            relative = f"{ARTIFACTS}/{sha[:32]}.bin"
+            size = source.stat().st_size
+            os.replace(source, self.path / relative)
+            record = ArtifactRecord(relative, sha, size, content)
+        else:
+            record = ArtifactRecord("", "", 0, content)
+        with self._updating_index():
+            self.index.entries[key] = record
+        return record
+
+    def link_artifact(self, key: IndexKey, record: ArtifactRecord) -> None:
+        """Record that ``key`` is served by an artifact already in the entry (an identical piece)."""
+        with self._updating_index():
+            self.index.entries[key] = record
+
+    def check(self, record: FileRecord) -> str | None:
+        return check_file(self.path, record)
+
+    def forget(self, key: IndexKey) -> None:
+        self.index.entries.pop(key, None)
+
+    def write_model(self, data: bytes) -> None:
+        """Write the whole-model artifact and record it, together, under the entry's lock.
+
+        Processes that trace the same model at once each write their own (equivalent) artifact;
+        the lock keeps the file and the checksum in the index from two different writers.
+        """
+        with self._updating_index():
+            atomic_write(self.path / MODEL, data)
+            self.index.model = FileRecord(MODEL, hashlib.sha256(data).hexdigest(), len(data))
+
+    def read_model(self) -> bytes:
+        """The whole-model artifact's bytes, verified; ``EntryUnusable`` (reported) if damaged."""
+        for attempt in range(2):
+            record = self.index.model
+            if record is None:
+                raise EntryUnusable("it holds no whole-model artifact")
+            try:
+                data = (self.path / MODEL).read_bytes()
+            except FileNotFoundError:
+                data = None
+            if data is not None and hashlib.sha256(data).hexdigest() == record.sha256:
+                return data
+            if attempt == 0:
+                # Another process may have replaced the artifact (and the index) since we read
+                # the index: look again under the lock before calling it damage.
+                with self._lock:
+                    self._load_index()
+        problem = "missing" if data is None else "content does not match its key"
+        self.report_damage(MODEL, problem)
+        raise EntryUnusable(f"{MODEL} is {problem}")
+
+    def report_damage(self, name: str, problem: str) -> None:
+        """Warn once per file per process; the caller rebuilds what the file held."""
+        report_damage(self.path / name, problem)
+
+
+class EntryUnusable(Exception):
+    """An existing entry cannot be used for a start without Dynamo (the reason is the message)."""
+
+
+@contextlib.contextmanager
+def exclusive_if_unused(entry_dir: Path) -> Iterator[bool]:
+    """Yield True while holding the entry exclusively (no process uses it), else False."""
+    marker = entry_dir / INUSE
+    try:
+        import fcntl
+    except ImportError:
+        yield True
+        return
+    if not marker.exists():
+        yield True
+        return
+    with marker.open("a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
