@@ -100,8 +100,13 @@ def op_schema_name(op: torch._ops.OpOverload) -> str:
     return op._schema.name  # type: ignore[no-any-return]
 
 
+def overload_of(op: torch._ops.OpOverload) -> str:
+    """The overload's own name (``default``, ``Tensor``): ``OpOverload._overloadname``."""
+    return op._overloadname  # type: ignore[no-any-return]
+
+
 def op_overload_name(op: torch._ops.OpOverload) -> str:
-    return f"{op._schema.name}.{op._overloadname}"
+    return f"{op_schema_name(op)}.{overload_of(op)}"
 
 
 def packet_name(op: torch._ops.OpOverloadPacket) -> str:
@@ -223,7 +228,7 @@ def inductor_config_overrides() -> str:
 
     If the config module is not loaded, only ``TORCHINDUCTOR_*`` variables can have changed it.
     """
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_"))
+    env = sorted((k, v) for k, v in os.environ.items() if _inductor_env_changes_code(k))
     module = sys.modules.get("torch._inductor.config")
     changed: list[tuple[str, str]] = []
     entries = getattr(module, "_config", None) if module is not None else None
@@ -236,6 +241,13 @@ def inductor_config_overrides() -> str:
                 if value != getattr(entry, "default", value):
                     changed.append((name, repr(value)))
     return repr((env, sorted(changed)))
+
+
+def _inductor_env_changes_code(name: str) -> bool:
+    """Whether a ``TORCHINDUCTOR_*`` variable can change generated code (caches, threads: no)."""
+    if not name.startswith("TORCHINDUCTOR_"):
+        return False
+    return not any(word in name for word in ("CACHE", "THREADS", "WORKER", "TRACE", "DEBUG"))
 
 
 def standalone_compile(

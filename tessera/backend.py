@@ -190,8 +190,10 @@ class PiecewiseBackend:
         backend.sources = list(saved.sources)
         try:
             call = backend._rebuild(saved, func, bound_to)
-        except NotPortable as e:
-            raise WarmStartUnavailable(str(e)) from e
+        except WarmStartUnavailable:
+            raise
+        except Exception as e:  # whatever stops the rebuild costs one trace, never the process
+            raise WarmStartUnavailable(f"the artifact does not rebuild here ({type(e).__name__}: {e})") from e
         counters.bump("pieces", len(backend.order))
         counters.bump("compiled_pieces", len(saved.pieces))
         return backend, call
@@ -212,7 +214,7 @@ class PiecewiseBackend:
                 if content is None:
                     raise WarmStartUnavailable(f"{record.name}: its graph was not saved")
                 if content not in unpickled:  # identical pieces share one graph
-                    unpickled[content] = pickle.loads(graphs[content])
+                    unpickled[content] = model_artifact.load_graph(graphs[content])
                 graph = unpickled[content]
             artifacts = {}
             for size in (None, *record.sizes, *record.ranges):

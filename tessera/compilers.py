@@ -172,7 +172,7 @@ class InductorCompiler:
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
         handle = None
-        if self.cache_dir is not None:
+        if self.cache_dir is not None and (piece.standard or piece.direct is not None):
             atomic_write(self.cache_dir / key, piece.to_bytes())
             handle = key
             counters.bump("artifacts_saved")
@@ -253,9 +253,14 @@ class InductorCompiler:
 
 
 def _standard_bytes(artifact: Any) -> bytes:
+    """Inductor's own serialization of ``artifact``; empty when Inductor cannot save it."""
     with tempfile.TemporaryDirectory(prefix="tessera-piece-") as scratch:
         path = os.path.join(scratch, "artifact.bin")
-        artifact.save(path=path, format="binary")
+        try:
+            artifact.save(path=path, format="binary")
+        except RuntimeError as e:  # e.g. AOTAutograd's cache refused the graph
+            log.debug("Inductor cannot save this piece (%s); keeping the direct code only", e)
+            return b""
         return Path(path).read_bytes()
 
 

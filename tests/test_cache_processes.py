@@ -21,11 +21,11 @@ def _env(cache: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_toy(cache: Path, out: Path, *args: str) -> dict:
+def run_toy(cache: Path, out: Path, *args: str, **env: str) -> dict:
     proc = subprocess.run(  # noqa: PLW1510 (return codes are asserted)
         [sys.executable, "-m", "tests.run_toy", str(out), *args],
         cwd=ROOT,
-        env=_env(cache),
+        env=_env(cache, **env),
         capture_output=True,
         text=True,
         timeout=600,
@@ -48,11 +48,16 @@ def cli(cache: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProces
 @pytest.mark.inductor
 def test_cold_then_warm_process(tmp_path):
     cache = tmp_path / "cache"
-    cold = run_toy(cache, tmp_path / "cold.pt")
-    warm = run_toy(cache, tmp_path / "warm.pt")
+    cold = run_toy(cache, tmp_path / "cold.pt", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cold"))
+    # A warm process on a fresh machine: Inductor's own cache directory is empty.
+    warm = run_toy(cache, tmp_path / "warm.pt", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-warm"))
+    assert not (tmp_path / "inductor-warm").exists()  # nothing compiled, not even a C++ kernel
     assert cold["counters"]["inductor_compiles"] > 0
     assert warm["counters"]["inductor_compiles"] == 0
     assert warm["counters"]["graphs_traced"] == 0  # the whole-model artifact skips Dynamo
+    assert warm["warm_start"] is True
+    # The physical limit: no Dynamo tracer, no Inductor, not even sympy in the warm process.
+    assert warm["modules"] == dict.fromkeys(warm["modules"], False), warm["modules"]
     assert warm["counters"]["cache_hits"] == warm["counters"]["backend_compilations"] > 0
     cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
     assert cold_out.keys() == warm_out.keys()

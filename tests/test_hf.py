@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,7 +38,10 @@ FAMILIES = {
         {"vocab_size": 128, "n_embd": 64, "n_layer": LAYERS, "n_head": 4, "n_positions": 256},
     ),
 }
-LENGTHS = (7, 1, 16, 33, 64)  # a first call of length 1 defers tracing (tested elsewhere)
+LENGTHS = (7, 1, 16, 33, 64)
+# StaticCache gives these sliding-window layers whose length is a Python int (see issue notes):
+# decode specialises on it, so generation is checked against eager for the others only.
+SLIDING_WINDOW = {"mistral", "gemma3"}  # a first call of length 1 defers tracing (tested elsewhere)
 
 
 def build(family: str):
@@ -109,3 +118,41 @@ def test_data_dependent_branch_names_cause_and_source_line():
     assert "Data-dependent branching" in message
     assert "test_hf.py" in message and "if x.sum() > 0:" in message
     assert caught.value.__cause__ is None and caught.value.dynamo_error is not None
+
+
+def _run_hf(tmp_path: Path, family: str, backend: str, out: str) -> dict:
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
+    proc = subprocess.run(  # noqa: PLW1510 (the return code is asserted)
+        [sys.executable, "-m", "tests.run_hf", family, backend, str(tmp_path / out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    ("family", "backend"),
+    [
+        *((family, "eager") for family in sorted(FAMILIES)),
+        pytest.param("llama", "inductor", marks=pytest.mark.inductor),
+        pytest.param("qwen2", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_warm_process_generates_the_same_tokens_without_tracing(tmp_path, family, backend):
+    """Prefill (dynamic length) and decode (StaticCache) both start from the whole-model artifact."""
+    cold = _run_hf(tmp_path, family, backend, "cold.pt")
+    warm = _run_hf(tmp_path, family, backend, "warm.pt")
+    assert cold["counters"]["graphs_traced"] == 2 and cold["warm_start"] == [False, False]
+    assert warm["warm_start"] == [True, True]
+    assert warm["counters"]["graphs_traced"] == 0 and warm["counters"]["inductor_compiles"] == 0
+    assert warm["counters"]["cache_hits"] == warm["counters"]["backend_compilations"] > 0
+    cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
+    for length, tokens in cold_out["tokens"].items():
+        if family not in SLIDING_WINDOW:
+            assert torch.equal(tokens, cold_out["eager"][length]), f"{family} cold, prompt {length}"
+        assert torch.equal(warm_out["tokens"][length], tokens), f"{family} warm, prompt {length}"

@@ -8,6 +8,7 @@ the piece artifacts stay content-addressed in the entry. A pointer file per mode
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import pickle
 import platform
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from tessera._compat import op_schema_name, overload_of, packet_name
 from tessera.cache.key import SourceFile
 from tessera.cache.store import MODEL, atomic_write, report_damage, sha256_file
 from tessera.layout import OutputLayout
@@ -34,12 +36,35 @@ class WarmStartUnavailable(Exception):
     """The Dynamo-free path cannot be used this time (the reason); the caller traces instead."""
 
 
+class _Pickler(pickle.Pickler):
+    """Pickles torch ops by name: ``OpOverload`` objects themselves cannot be pickled."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _resolve_op, (op_schema_name(obj), overload_of(obj))
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            return _resolve_op, (packet_name(obj), None)
+        return NotImplemented
+
+
+def _resolve_op(qualified: str, overload: str | None) -> Any:
+    namespace, name = qualified.split("::", 1)
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+def _dumps(value: Any) -> bytes:
+    stream = io.BytesIO()
+    _Pickler(stream, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return stream.getvalue()
+
+
 @dataclass(frozen=True)
 class PortableModule:
     """An FX module's forward as its generated source and the globals and attributes it reads.
 
     Rebuilt by one ``exec``: unpickling a GraphModule re-traces its code (~10 ms a module, which
-    a 32-layer model pays 65 times); identical modules (every layer's attention) share one source.
+    a 32-layer model pays 65 times, and which fails on graphs with asserts on sizes).
     """
 
     source: str
@@ -52,7 +77,7 @@ class PortableModule:
         modules = {n: v.__name__ for n, v in code.globals.items() if isinstance(v, types.ModuleType)}
         others = {n: v for n, v in code.globals.items() if n not in modules}
         attrs = {str(n.target): _attr(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
-        return cls(code.src, tuple(sorted(modules.items())), pickle.dumps((others, attrs)))
+        return cls(code.src, tuple(sorted(modules.items())), _dumps((others, attrs)))
 
     def build(self, attributes: dict[str, Any]) -> Callable[..., Any]:
         """The forward, bound to an object holding ``attributes`` and the saved ones."""
@@ -63,6 +88,54 @@ class PortableModule:
         exec(compile(self.source, "<tessera split module>", "exec"), namespace)
         holder = types.SimpleNamespace(**attrs, **attributes)
         return types.MethodType(namespace["forward"], holder)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str
+
+
+def dump_graph(gm: torch.fx.GraphModule) -> bytes:
+    """A GraphModule as its nodes (no metadata): rebuilt by ``load_graph`` without re-tracing."""
+    return _dumps(_graph_state(gm))
+
+
+def _graph_state(gm: torch.fx.GraphModule) -> tuple[list[Any], dict[str, Any]]:
+    nodes = []
+    attrs: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        args = torch.fx.node.map_arg(n.args, lambda a: _Ref(a.name))  # type: ignore[arg-type,return-value]
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: _Ref(a.name))  # type: ignore[arg-type,return-value]
+        nodes.append((n.op, n.name, n.target, args, kwargs, n.type))
+        if n.op == "get_attr":
+            value = _attr(gm, str(n.target))
+            is_graph = isinstance(value, torch.fx.GraphModule)
+            attrs[str(n.target)] = ("graph", _graph_state(value)) if is_graph else ("value", value)
+    return nodes, attrs
+
+
+def load_graph(data: bytes) -> torch.fx.GraphModule:
+    return _build_graph(*pickle.loads(data))
+
+
+def _build_graph(nodes: list[Any], attrs: dict[str, Any]) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[str, torch.fx.Node] = {}
+    for op, name, target, saved_args, saved_kwargs, type_ in nodes:
+        args, kwargs = torch.fx.node.map_aggregate(
+            (saved_args, saved_kwargs), lambda a: env[a.name] if isinstance(a, _Ref) else a
+        )
+        env[name] = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_)
+    root = torch.nn.Module()
+    for target, (kind, value) in attrs.items():
+        owner = root
+        *path, leaf = target.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        setattr(owner, leaf, _build_graph(*value) if kind == "graph" else value)
+    return torch.fx.GraphModule(root, graph)
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
@@ -81,7 +154,7 @@ class ModelArtifact:
     code: PortableCode  # Dynamo's bytecode: calls the split module with the graph inputs
     split_module: PortableModule  # calls the pieces in order
     modules: tuple[tuple[str, PortableModule], ...]  # splitting piece -> its module
-    graphs: tuple[tuple[str, bytes], ...]  # content -> pickled piece graph (for compilers that need it)
+    graphs: tuple[tuple[str, bytes], ...]  # content -> dump_graph of a piece (for compilers that need it)
     piece_graphs: tuple[tuple[str, str], ...]  # compiled piece -> content of its graph
     pieces: tuple[PieceRecord, ...]  # the compiled pieces' records
     layouts: tuple[tuple[str, OutputLayout | None], ...]  # splitting piece -> output strides
@@ -109,7 +182,7 @@ def make(
             break
         content = contents[record.name]
         if content not in graphs:
-            graphs[content] = pickle.dumps(children[record.name])
+            graphs[content] = dump_graph(children[record.name])
         piece_graphs.append((record.name, content))
     return ModelArtifact(
         format=FORMAT,
@@ -126,7 +199,7 @@ def make(
 
 
 def dumps(artifact: ModelArtifact) -> bytes:
-    return pickle.dumps(artifact, protocol=pickle.HIGHEST_PROTOCOL)
+    return _dumps(artifact)
 
 
 def loads(data: bytes) -> ModelArtifact:

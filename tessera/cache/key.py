@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import marshal
 import os
 import platform
 import re
@@ -203,6 +202,36 @@ def _attr_content(graph: torch.fx.GraphModule, target: str, canon: Any) -> str:
 
 
 # -- model fingerprint (found before any trace) ---------------------------------------------------
+def code_digest(code: types.CodeType) -> str:
+    """sha256 of what a code object does: its bytecode, names and constants.
+
+    Not ``marshal.dumps(code)``: marshal's output depends on reference counts, which differ
+    between a process that traced the code and one that did not.
+    """
+    parts: list[Any] = [
+        code.co_code,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+        code.co_argcount,
+        code.co_kwonlyargcount,
+        code.co_flags,
+        code.co_name,
+    ]
+    for const in code.co_consts:
+        parts.append(code_digest(const) if isinstance(const, types.CodeType) else _const_repr(const))
+    return sha256_bytes(repr(parts).encode())
+
+
+def _const_repr(value: Any) -> str:
+    if isinstance(value, (frozenset, set)):  # iteration order follows the string hash seed
+        return f"frozenset({sorted(_const_repr(v) for v in value)})"
+    if isinstance(value, tuple):
+        return f"({', '.join(_const_repr(v) for v in value)},)"
+    return repr(value)
+
+
 def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) -> Any:
     """A stable, JSON-ready description of a value as a trace depends on it.
 
@@ -283,7 +312,7 @@ def fingerprint(
         "python": platform.python_version(),
         "torch": [torch.__version__, getattr(torch.version, "git_version", None)],
         "function": [func.__module__, func.__qualname__, Path(code.co_filename).name],
-        "code": sha256_bytes(marshal.dumps(code)),
+        "code": code_digest(code),
         "closure": [describe(c.cell_contents, depth=2) for c in (func.__closure__ or ())],
         "defaults": describe(func.__defaults__),
         "model": _module_state(bound_to) if isinstance(bound_to, torch.nn.Module) else repr(type(bound_to)),

@@ -1,0 +1,192 @@
+"""The warm path: cheap imports, the index schema, piece files, fallbacks that trace once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera.cache import index
+from tessera.cache.store import INDEX
+from tessera.models import toy_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_tessera_imports_neither_dynamo_nor_inductor():
+    code = (
+        "import json, sys, tessera, tessera.hf, tessera.models.toy_llama; "
+        "print(json.dumps([m for m in ('torch._dynamo', 'torch._inductor', 'sympy') if m in sys.modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert json.loads(out.stdout) == []
+
+
+def test_index_round_trips_and_rejects_wrong_types():
+    parsed = index.Index(created=1.0)
+    parsed.entries[("general", 0, "inductor")] = index.ArtifactRecord("artifacts/a.bin", "ab" * 32, 10, "c1")
+    parsed.entries[((1, 8), 2, "inductor")] = index.ArtifactRecord("", "", 0, "c2")
+    parsed.files["cache_key_factors.json"] = "cd" * 32
+    parsed.model = index.FileRecord("model_artifact.pkl", "ef" * 32, 5)
+    again = index.parse(parsed.format())
+    assert again == parsed
+    bad = [
+        "{'version': 2, 'created': 1.0, 'entries': {('general', '0', 'x'): {}}}",
+        "{'version': 2, 'created': 1.0, 'entries': {(True, 0, 'x'): {'file': '', 'sha256': '', 'size': 0}}}",
+        "{'version': 2, 'created': 1.0, 'entries': {}, 'files': {'../x': 'ab'}}",
+        "{'version': 2, 'created': 1.0, 'entries': {('general', 0, 'x'): "
+        "{'file': '/etc/passwd', 'sha256': '', 'size': 0}}}",
+        "{'version': 1, 'created': 1.0, 'entries': {}}",
+        "__import__('os').system('true')",
+    ]
+    for text in bad:
+        with pytest.raises((ValueError, SyntaxError)):
+            index.parse(text)
+
+
+@pytest.mark.inductor
+def test_identical_layers_compile_and_store_once_on_an_empty_inductor_cache(tmp_path):
+    """Eight layers, three distinct pieces (first, middle x7, last): three compiles, three files."""
+    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    args = ["--layers", "8", "--compile-sizes", "", "--sizes", "5,12", "--backend", "inductor"]
+    proc = subprocess.run(  # noqa: PLW1510 (the return code is asserted)
+        [sys.executable, "-m", "tests.run_toy", str(tmp_path / "out.pt"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = report["counters"]
+    assert counts["compiled_pieces"] == 9 and counts["inductor_compiles"] == 3
+    assert counts["backend_compilations"] == 9 and counts["cache_hits"] == 6  # twins share
+    entry = Path(report["cache_dir"])
+    assert len(list((entry / "artifacts").glob("*.bin"))) == 3
+    records = index.parse((entry / INDEX).read_text()).entries
+    assert len(records) == 9 and len({r.file for r in records.values()}) == 3
+
+
+def _compile_and_check(model, sizes=(3, 9), **overrides):
+    compiled = tessera.compile(model, backend="eager", **overrides)
+    with torch.no_grad():
+        for n in sizes:
+            ids, pos = toy_llama.example_inputs(n)
+            torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    return compiled
+
+
+def test_warm_start_with_the_eager_compiler_skips_dynamo():
+    model = toy_llama.build(num_layers=2)
+    cold = _compile_and_check(model)
+    tessera.counters.reset()
+    warm = _compile_and_check(model)
+    assert warm.warm_start is True and cold.warm_start is False
+    counts = tessera.counters.snapshot()
+    assert counts["graphs_traced"] == 0 and counts["eager_compiles"] == 0
+    assert [p.name for p in warm.pieces] == [p.name for p in cold.pieces]
+    assert [p.is_splitting for p in warm.pieces] == [p.is_splitting for p in cold.pieces]
+
+
+MODEL_SOURCE = """
+import torch
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        return (x @ self.w).relu() + {bias}
+"""
+
+
+def test_a_changed_source_file_falls_back_to_one_trace_and_says_why(tmp_path, monkeypatch, caplog):
+    source = tmp_path / "edited_model.py"
+    source.write_text(textwrap.dedent(MODEL_SOURCE.format(bias=1)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import edited_model
+
+    model = edited_model.Model()
+    x = torch.randn(5, 4)
+    tessera.compile(model, backend="eager")(x)
+    # The file changes on disk; the model in this process is the old code, so its fingerprint
+    # still leads to the artifact, which must notice and step aside.
+    source.write_text(textwrap.dedent(MODEL_SOURCE.format(bias=2)))
+    tessera.counters.reset()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tessera.api"):
+        compiled = tessera.compile(model, backend="eager")
+        torch.testing.assert_close(compiled(x), model(x))
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
+    reasons = [
+        r.getMessage() for r in caplog.records if "no start from the whole-model artifact" in r.getMessage()
+    ]
+    assert len(reasons) == 1 and "edited_model.py changed" in reasons[0], reasons
+    assert compiled.warm_start is False and "edited_model.py" in (compiled.warm_start_refused or "")
+
+
+def test_a_warm_start_that_fails_halfway_leaves_a_clean_trace(caplog):
+    """An index missing one piece's artifact: the rebuild stops, the trace starts from scratch."""
+    model = toy_llama.build(num_layers=2)
+    cold = _compile_and_check(model)
+    entry = cold.cache_dir
+    parsed = index.parse((entry / INDEX).read_text())
+    last = max(parsed.entries, key=lambda key: key[1])
+    del parsed.entries[last]
+    (entry / INDEX).write_text(parsed.format())
+    tessera.counters.reset()
+    with caplog.at_level(logging.INFO, logger="tessera.api"):
+        again = _compile_and_check(model)
+    counts = tessera.counters.snapshot()
+    assert again.warm_start is False and counts["graphs_traced"] == 1
+    assert counts["pieces"] == len(cold.pieces)  # counted once: the failed rebuild counted nothing
+    assert "its artifact is missing" in (again.warm_start_refused or "")
+    assert len(again.pieces) == len(cold.pieces)
+
+
+@pytest.mark.inductor
+def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
+    """GPU pieces (and any piece AOTAutograd wraps) have no direct code: Inductor's loader serves."""
+    from tessera import kernels
+    from tessera.compilers import InductorCompiler
+
+    def fn(x, w):
+        return ((x @ w).relu() * 3,)
+
+    traced = {}
+
+    def capture(gm, example_inputs):
+        traced.update(gm=gm, inputs=example_inputs)
+        return gm.forward
+
+    x, w = torch.randn(6, 8), torch.randn(8, 8)
+    torch.compile(fn, backend=capture, fullgraph=True)(x, w)  # a Dynamo graph, as tessera's pieces
+    compiler = InductorCompiler()
+    compiler.initialize_cache(tmp_path)
+    compiled, handle = compiler.compile(
+        traced["gm"], traced["inputs"], tessera.CompileConfig(), 6, "piece.bin"
+    )
+    (expected,) = fn(x, w)
+    torch.testing.assert_close(compiled(x, w)[0], expected)
+    piece = kernels.PieceFile.from_bytes((tmp_path / handle).read_bytes())
+    assert piece.direct is not None and piece.standard  # CPU: both ways are stored
+    stripped = kernels.PieceFile(piece.standard, None, piece.returns_tuple, "as if on a GPU")
+    (tmp_path / "stripped.bin").write_bytes(stripped.to_bytes())
+    loaded = InductorCompiler()
+    loaded.initialize_cache(tmp_path)
+    torch.testing.assert_close(loaded.load("stripped.bin", None, (), 0, 6)(x, w)[0], expected)
+    with pytest.raises(ValueError, match="not a tessera piece file"):
+        kernels.PieceFile.from_bytes(b"garbage")
