@@ -1,6 +1,6 @@
 """Process start to first output, cold and warm: tessera vs stock torch.compile vs mega-cache.
 
-Run: ``python benchmarks/startup.py [--layers 4 16] [--repeats N]``; prints JSON.
+Run: ``python benchmarks/startup.py [--models toy4 ...] [--repeats 3] [--cold-scaling 2 8]``; prints JSON.
 """
 
 from __future__ import annotations

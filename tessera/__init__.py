@@ -1,24 +1,30 @@
 """tessera: trace a PyTorch model once, split it at attention, compile the pieces, start warm.
 
-Public API: ``compile``, ``CompileConfig``, ``counters`` and the error types.
+Public API: ``compile``, ``CompileConfig``, ``counters`` and the error types. Names are imported
+on first use, so that ``import tessera`` (or one of its submodules) costs next to nothing.
 """
 
 from __future__ import annotations
 
-from tessera import counters
-from tessera.api import CompiledModel, compile
-from tessera.config import CompileConfig, SizeRange
-from tessera.errors import (
-    CacheError,
-    CompilerError,
-    ConfigError,
-    SizeNotCompiledError,
-    TesseraError,
-    UnsupportedModelError,
-)
-from tessera.piece import PieceRecord
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CacheError": "tessera.errors",
+    "CompileConfig": "tessera.config",
+    "CompiledModel": "tessera.api",
+    "CompilerError": "tessera.errors",
+    "ConfigError": "tessera.errors",
+    "PieceRecord": "tessera.piece",
+    "SizeNotCompiledError": "tessera.errors",
+    "SizeRange": "tessera.config",
+    "TesseraError": "tessera.errors",
+    "UnsupportedModelError": "tessera.errors",
+    "compile": "tessera.api",
+    "counters": "tessera.counters",
+}
 
 __all__ = [
     "CacheError",
@@ -34,3 +40,28 @@ __all__ = [
     "compile",
     "counters",
 ]
+
+if TYPE_CHECKING:
+    from tessera import counters
+    from tessera.api import CompiledModel, compile
+    from tessera.config import CompileConfig, SizeRange
+    from tessera.errors import (
+        CacheError,
+        CompilerError,
+        ConfigError,
+        SizeNotCompiledError,
+        TesseraError,
+        UnsupportedModelError,
+    )
+    from tessera.piece import PieceRecord
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+    value = importlib.import_module(module)
+    if name != "counters":
+        value = getattr(value, name)
+    globals()[name] = value
+    return value

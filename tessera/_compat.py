@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -49,14 +50,36 @@ def reset_code(code: types.CodeType) -> None:
 
 
 @contextlib.contextmanager
-def single_trace_settings() -> Iterator[None]:
+def single_trace_settings(dynamic_state: tuple[str, ...] = ()) -> Iterator[None]:
     """Dynamo settings for the one guard-free trace tessera makes of a function.
 
     A full recompile cache of earlier entries of this code must never refuse our trace
-    (``recompile_limit`` names, torch 2.11-2.13).
+    (``recompile_limit`` names, torch 2.11-2.13). ``dynamic_state``: Python ints read from the
+    arguments (``kwargs['cache'].length``, source names relative to the frame) traced as symbols
+    through ``torch.compiler.config.dynamic_sources`` (torch >= 2.11; exact names, so escaped).
     """
-    with dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
+        if dynamic_state:
+            names = ",".join(re.escape(dynamo_source_name(expr)) for expr in dynamic_state)
+            stack.enter_context(torch.compiler.config.patch(dynamic_sources=names))  # type: ignore[attr-defined]
         yield
+
+
+def supports_dynamic_state() -> bool:
+    return hasattr(torch.compiler.config, "dynamic_sources")
+
+
+def dynamo_source_name(expr: str) -> str:
+    """``kwargs['x'].n`` (a guard's name) as Dynamo's full source name ``L['kwargs']['x'].n``."""
+    root, rest = re.match(r"^(\w+)(.*)$", expr).groups()  # type: ignore[union-attr]
+    return f"L[{root!r}]{rest}"
+
+
+def guard_code(guard: Any) -> list[str]:
+    """The Python expressions of a guard entry (``orig_guard.code_list``, torch 2.11-2.13)."""
+    code = getattr(getattr(guard, "orig_guard", None), "code_list", None)
+    return [c for c in code or () if isinstance(c, str)]
 
 
 def trace_errors() -> tuple[type[BaseException], ...]:
@@ -93,6 +116,11 @@ def sym_expr(value: torch.SymInt) -> Any:
 
 def is_constant_symint(value: torch.SymInt) -> bool:
     return not sym_expr(value).free_symbols
+
+
+# The classes of ``torch.ops.ns.op`` and ``torch.ops.ns.op.overload`` (torch._ops, 2.11-2.13).
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
 def op_schema_name(op: torch._ops.OpOverload) -> str:
@@ -205,6 +233,11 @@ def inductor_config() -> Any:
     from torch._inductor import config
 
     return config
+
+
+def inductor_config_names() -> set[str]:
+    """Every Inductor setting's name (dotted for nested ones: ``cpp.simdlen``)."""
+    return set(inductor_config().get_config_copy())
 
 
 def inductor_config_repr() -> str:
@@ -365,3 +398,36 @@ def trusted_vec_isa(trust: bool) -> Iterator[None]:
         return
     with inductor_config().patch({"cpp.vec_isa_ok": True}):
         yield
+
+
+# -- nn.Module hooks ----------------------------------------------------------------------------
+# The hook dicts nn.Module.__call__ reads (torch 2.11-2.13, torch/nn/modules/module.py): tessera
+# calls the root's forward directly, so it runs the root's hooks itself, in the same order.
+def global_module_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        nn_module._global_forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
+
+
+def global_backward_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
+def forward_hooks(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]], set[int], set[int]]:
+    """(pre-hooks, hooks, pre-hook ids taking kwargs, hook ids taking kwargs), globals first."""
+    from torch.nn.modules import module as nn_module
+
+    pre_hooks = [*nn_module._global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()]
+    hooks = [*nn_module._global_forward_hooks.items(), *module._forward_hooks.items()]
+    pre_with_kwargs = set(module._forward_pre_hooks_with_kwargs)
+    with_kwargs = set(module._forward_hooks_with_kwargs) | set(nn_module._global_forward_hooks_with_kwargs)
+    return pre_hooks, hooks, pre_with_kwargs, with_kwargs

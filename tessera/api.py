@@ -1,11 +1,14 @@
 """``tessera.compile`` and the ``CompiledModel`` it returns: the public entry point.
 
-Chooses the mode's path (none / stock / trace_once / piecewise) and runs the first call: a warm
-start from the whole-model artifact when there is one, else the one Dynamo trace.
+Chooses the mode's path (none / stock / trace_once / piecewise), runs the first call (a warm start
+from the whole-model artifact when there is one, else the one Dynamo trace) and puts every later
+call behind the check of what that trace assumed (guards.py) and the root module's hooks.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 import time
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tessera import counters
+from tessera import _compat, counters, guards, hooks, validation
 from tessera.backend import PiecewiseBackend
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
@@ -25,15 +28,22 @@ from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 from tessera.piece import PieceRecord
 from tessera.wrapper import (
+    DynamicChoice,
     DynamicDims,
+    Trace,
     bind_arguments,
     choose_dynamic_dims,
+    entry_frame,
     mark_dynamic,
     split_callable,
     trace_once,
 )
 
 log = logging.getLogger(__name__)
+
+# Argument state (a StaticCache's length) may turn symbolic this many times before calls whose
+# state differs are refused: each re-trace costs a compile.
+MAX_STATE_RETRACES = 2
 
 
 def compile(
@@ -47,11 +57,22 @@ def compile(
     """Compile ``model`` (an ``nn.Module`` or a function) for fast repeated inference.
 
     Nothing is traced until the first call; keyword ``overrides`` replace ``config`` fields.
+    Every argument is checked here: a bad one is a ``ConfigError`` now, not at the first call.
     """
+    if config is not None and not isinstance(config, CompileConfig):
+        raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
     config = (config or CompileConfig()).replace(**overrides)
-    if prefix is not None and (not prefix or "/" in prefix or prefix.startswith(".")):
+    if prefix is not None and (
+        not isinstance(prefix, str) or not prefix or "/" in prefix or "\\" in prefix or prefix.startswith(".")
+    ):
         raise ConfigError(f"prefix={prefix!r} must be a plain directory name such as 'backbone'")
-    return CompiledModel(model, config, dynamic_dims, prefix)
+    validation.check_dynamic_dims(dynamic_dims)
+    if config.backend == "inductor" or config.mode == "stock":
+        validation.check_inductor_keys(config.inductor_config)
+    compiled = CompiledModel(model, config, dynamic_dims, prefix)
+    if dynamic_dims is not None:
+        validation.check_dynamic_dim_names(compiled.signature, dynamic_dims)
+    return compiled
 
 
 class CompiledModel:
@@ -68,18 +89,36 @@ class CompiledModel:
         self.config = config
         self.prefix = prefix
         self._func, self._bound_to = split_callable(model)
+        self._module = model if isinstance(model, torch.nn.Module) else None
+        # What the traced frame calls: the forward itself, so root hooks stay ours to run.
+        self._target: Callable[..., Any] = model.forward if isinstance(model, torch.nn.Module) else model
+        self._entry = entry_frame()
         self._dynamic_dims = dynamic_dims
         self._lock = threading.Lock()
         self._backend: PiecewiseBackend | None = None
         self._call: Callable[..., Any] = self._first_call
+        self._fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
+        self.call_spec: guards.CallSpec | None = None  # what the trace assumed of every call
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
         self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
         self.warm_start_refused: str | None = None  # why the whole-model artifact was not used
+        self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
         self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
+        self._context: tuple[Any, Path | None, str, str | None] = (None, None, "model", None)
+        self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see guards.py)
+        self._state_retraces = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
+
+    @property
+    def signature(self) -> inspect.Signature:
+        """The call signature of the model (its forward without ``self``)."""
+        signature = inspect.signature(self._func)
+        if self._bound_to is not None:
+            signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        return signature
 
     @property
     def name(self) -> str:
@@ -98,21 +137,30 @@ class CompiledModel:
 
     @property
     def split_graph(self) -> torch.fx.GraphModule | None:
-        """The split module (pieces as submodules), after the first call in piecewise modes."""
+        """The split module (pieces as submodules), after a traced first call in piecewise modes."""
         return self._backend.split_gm if self._backend is not None else None
 
+    # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._call != self._first_call:  # another thread compiled while we waited
                 return self._call(*args, **kwargs)
-            start = time.perf_counter()
-            output, call = self._compile(args, kwargs)
-            if call is None:  # deferred: this call ran eagerly
-                return output
-            self._call = call
-            self.first_call_seconds = time.perf_counter() - start
-            self._log_start()
+            module = self._module
+            # The trace sees what the pre-hooks make of the call (stock and none: torch runs them).
+            traced = self.config.mode in ("trace_once", "piecewise")
+            if module is not None and traced and hooks.active(module):
+                return hooks.call_with_hooks(module, self._compile_first, args, kwargs)
+            return self._compile_first(*args, **kwargs)
+
+    def _compile_first(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output, call = self._compile(args, kwargs)
+        if call is None:  # deferred: this call ran eagerly
             return output
+        self._call = call
+        self.first_call_seconds = time.perf_counter() - start
+        self._log_start()
+        return output
 
     def _log_start(self) -> None:
         """One line per model: cold or warm, how long, what was loaded and compiled, where."""
@@ -151,6 +199,7 @@ class CompiledModel:
         prefix = self.prefix or "model"
         print_ = None
         if root is not None:
+            start = time.perf_counter()
             print_ = fingerprint(
                 self._func,
                 self._bound_to,
@@ -161,16 +210,22 @@ class CompiledModel:
                 prefix,
                 rank_dir(),
             )
+            self.startup_phases["fingerprint"] = time.perf_counter() - start
             try:
-                self._backend, call = PiecewiseBackend.from_artifact(
-                    self.config, compiler, root, prefix, print_, self._func, self._bound_to
+                backend, call, spec = PiecewiseBackend.from_artifact(
+                    self.config, compiler, root, prefix, print_, self._entry
                 )
+                args, kwargs = self._fits(spec, args, kwargs)
             except WarmStartUnavailable as e:
                 self.warm_start_refused = str(e)
                 log.info("%s: no start from the whole-model artifact (%s); tracing once", self.name, e)
             else:
-                self.warm_start = True
-                return call(*args, **kwargs), call
+                self._backend, self.warm_start = backend, True
+                self.startup_phases.update(backend.phases)
+                start = time.perf_counter()
+                output = self._install(functools.partial(call, self._target), spec)(*args, **kwargs)
+                self.startup_phases["first_call"] = time.perf_counter() - start
+                return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
         if degenerate:
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
@@ -183,15 +238,129 @@ class CompiledModel:
                     degenerate,
                 )
             self._deferred += 1
-            return self.model(*args, **kwargs), None
+            return self._target(*args, **kwargs), None  # root hooks: run by _first_call
+        self._context = (compiler, root, prefix, print_)
+        return self._trace(args, kwargs, values, choice), self._call
+
+    def _trace(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
+    ) -> Any:
+        """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
+        compiler, root, prefix, print_ = self._context
         backend = PiecewiseBackend(self.config, compiler, root, prefix)
         mark_dynamic(values, choice)
-        output, call, code = trace_once(self._func, self._bound_to, backend, args, kwargs)
-        self._backend = backend
-        self.warm_start = False
+        trace = trace_once(
+            self._entry, backend, self._target, args, kwargs, self._func.__qualname__, self._dynamic_state
+        )
+        spec = self._record(args, kwargs, choice, trace)
+        self._backend, self.warm_start = backend, False
         if print_ is not None:
-            backend.save_artifact(print_, self._func, code)
-        return output, call
+            backend.save_artifact(print_, self._entry, trace.code, spec)
+        self._install(functools.partial(trace.call, self._target), spec)
+        return trace.output
+
+    # -- the call check ------------------------------------------------------------------------
+    def _record(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice, trace: Trace
+    ) -> guards.CallSpec:
+        """What the trace assumed of this (first) call."""
+        names = _argument_names(self.signature, args, kwargs)
+        dynamic: dict[str, set[int]] = {}
+        for name, dim in choice.dims:
+            dynamic.setdefault(name, set()).add(dim)
+        return guards.record(
+            args,
+            kwargs,
+            lambda path: names.get(path, path),
+            lambda path: frozenset(dynamic.get(names.get(path, ""), ())),
+            trace.state,
+            trace.shape_guards,
+            self._dynamic_state,
+        )
+
+    def _fits(
+        self, spec: guards.CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The first call in the saved artifact's structure, or WarmStartUnavailable if it differs."""
+        try:
+            args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
+        except guards.InputMismatchError as e:
+            raise WarmStartUnavailable(f"this call differs from the traced one: {e}") from e
+        mismatches = spec.mismatches(args, kwargs)
+        if mismatches:
+            raise WarmStartUnavailable(f"this call differs from the traced one: {guards.explain(mismatches)}")
+        return args, kwargs
+
+    def _install(self, fast: Callable[..., Any], spec: guards.CallSpec) -> Callable[..., Any]:
+        """Every later call: root hooks as in eager, the call check, then the compiled forward."""
+        self._fast, self.call_spec = fast, spec
+        call = guards.make_checked_call(spec, fast, self._slow_call) if self.config.check_inputs else fast
+        module = self._module
+        if module is not None:
+            checked = call
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if hooks.active(module):
+                    return hooks.call_with_hooks(module, checked, args, kwargs)
+                return checked(*args, **kwargs)
+
+        self._call = call
+        return call
+
+    def _slow_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that failed the quick check: rewritten into the traced structure, or refused."""
+        spec, fast = self.call_spec, self._fast
+        assert spec is not None and fast is not None, "the slow path runs after the first call"
+        args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
+        mismatches = spec.mismatches(args, kwargs)
+        if not mismatches:
+            return fast(*args, **kwargs)
+        changed = [a.expr for a, found in mismatches if a.state and _is_int(a.expected) and _is_int(found)]
+        retrace = self._state_retraces < MAX_STATE_RETRACES and _compat.supports_dynamic_state()
+        if retrace and len(changed) == len(mismatches):
+            return self._retrace_for_state(args, kwargs, changed)
+        raise guards.InputMismatchError(f"{self.name}: {guards.explain(mismatches)}")
+
+    def _retrace_for_state(self, args: tuple[Any, ...], kwargs: dict[str, Any], changed: list[str]) -> Any:
+        """A Python int the trace read from an argument object changed (a StaticCache's length):
+        trace once more with it as a symbol, as Dynamo's automatic dynamic shapes would."""
+        with self._lock:
+            self._state_retraces += 1
+            self._dynamic_state = tuple(dict.fromkeys((*self._dynamic_state, *changed)))
+            log.info(
+                "%s: %s changed since the first call; tracing once more with %d argument int(s) symbolic",
+                self.name,
+                changed[0],
+                len(self._dynamic_state),
+            )
+            values = bind_arguments(self._func, self._bound_to, args, kwargs)
+            choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
+            return self._trace(args, kwargs, values, choice)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _argument_names(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, str]:
+    """``args[i]`` / ``kwargs['k']`` -> the parameter name a user knows it by."""
+    names: dict[str, str] = {f"kwargs[{key!r}]": key for key in kwargs}
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    for i in range(len(args)):
+        param = positional[min(i, len(positional) - 1)] if positional else None
+        if param is None:
+            names[f"args[{i}]"] = f"argument {i}"
+        elif param.kind is param.VAR_POSITIONAL:
+            names[f"args[{i}]"] = f"{param.name}[{i - positional.index(param)}]"
+        else:
+            names[f"args[{i}]"] = param.name
+    return names
 
 
 def _counting_backend(name: str) -> Callable[..., Any]:
@@ -200,8 +369,6 @@ def _counting_backend(name: str) -> Callable[..., Any]:
             f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
             "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
         )
-    from tessera import _compat
-
     inner = _compat.dynamo().lookup_backend(name)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

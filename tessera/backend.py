@@ -14,6 +14,7 @@ import logging
 import pickle
 import time
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,12 @@ from tessera.cache.store import CacheEntry, EntryUnusable
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
+from tessera.errors import TesseraWarning
+from tessera.guards import CallSpec
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
 from tessera.manager import CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
-from tessera.split import SplitItem, default_splitting_ops, split_graph
+from tessera.split import SplitItem, SplitMatcher, default_splitting_ops, split_graph
 from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class PiecewiseBackend:
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
+        self.phases: dict[str, float] = {}  # seconds per phase of a warm start
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
@@ -77,7 +81,16 @@ class PiecewiseBackend:
             specs = default_splitting_ops()
         else:
             specs = self.config.splitting_ops
-        split_gm, items = split_graph(gm, specs)
+        matcher = SplitMatcher(specs)
+        split_gm, items = split_graph(gm, matcher)
+        if self.config.splitting_ops:
+            for name in matcher.unmatched():
+                warnings.warn(
+                    f"splitting op {name!r} matches no call in the traced graph of {self.prefix}; "
+                    "check the name (see computation_graph.py in the cache entry for what was traced)",
+                    TesseraWarning,
+                    stacklevel=2,
+                )
         self.split_gm, self.items = split_gm, list(items)
         self.order = [(item.name, item.is_splitting) for item in items]
         counters.bump("pieces", len(items))
@@ -169,39 +182,42 @@ class PiecewiseBackend:
         cache_root: Path,
         prefix: str,
         fingerprint: str,
-        func: types.FunctionType,
-        bound_to: object | None,
-    ) -> tuple[PiecewiseBackend, Callable[..., Any]]:
-        """A complete backend and the model's callable, rebuilt from the whole-model artifact.
+        entry: types.FunctionType,
+    ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
+        """A complete backend, the traced frame's callable and what the trace assumed of a call,
+        rebuilt from the whole-model artifact.
 
         Raises WarmStartUnavailable (the reason) without side effects on any other backend.
         """
+        start = time.perf_counter()
         entry_path = model_artifact.read_pointer(cache_root, fingerprint)
         if entry_path is None:
             raise WarmStartUnavailable("no whole-model artifact for this model yet")
         try:
             store = CacheEntry.open_existing(entry_path)
-            saved = model_artifact.loads(store.read_model())
+            data = store.read_model()
         except EntryUnusable as e:
             raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
+        read = time.perf_counter()
+        saved = model_artifact.loads(data)
         backend = cls(config, compiler, cache_root, prefix)
         backend.store = store
         backend.manager = CompilerManager(compiler, config, store)
         backend.sources = list(saved.sources)
+        backend.phases = {"read_and_verify": read - start, "unpickle": time.perf_counter() - read}
         try:
-            call = backend._rebuild(saved, func, bound_to)
+            call = backend._rebuild(saved, entry)
         except WarmStartUnavailable:
             raise
         except Exception as e:  # whatever stops the rebuild costs one trace, never the process
             raise WarmStartUnavailable(f"the artifact does not rebuild here ({type(e).__name__}: {e})") from e
         counters.bump("pieces", len(backend.order))
         counters.bump("compiled_pieces", len(saved.pieces))
-        return backend, call
+        return backend, call, saved.call_spec
 
-    def _rebuild(
-        self, saved: ModelArtifact, func: types.FunctionType, bound_to: object | None
-    ) -> Callable[..., Any]:
+    def _rebuild(self, saved: ModelArtifact, entry: types.FunctionType) -> Callable[..., Any]:
         """Runners, splitting pieces and the split module's forward from a whole-model artifact."""
+        start = time.perf_counter()
         graphs = {content: blob for content, blob in saved.graphs}
         graph_of = dict(saved.piece_graphs)
         unpickled: dict[str, torch.fx.GraphModule] = {}
@@ -225,6 +241,8 @@ class PiecewiseBackend:
             attributes[record.name] = self._install_runner(
                 record, PieceRunner(record.name, artifacts, record.size_source, self.config.max_size)
             )
+        loaded = time.perf_counter()
+        self.phases["load_kernels"] = loaded - start
         built: dict[str, Callable[..., Any]] = {}
         layouts = dict(saved.layouts)
         for name, module in saved.modules:
@@ -236,10 +254,14 @@ class PiecewiseBackend:
         splitting = {name for name, _ in saved.modules}
         self.order = [(n, n in splitting) for n in names]
         self.split_forward = forward
-        return rebuild_call(saved.code, func, bound_to, forward)
+        call = rebuild_call(saved.code, entry, forward)
+        self.phases["rebuild_code"] = time.perf_counter() - loaded
+        return call
 
     # -- the whole-model artifact --------------------------------------------------------------
-    def save_artifact(self, fingerprint: str, func: types.FunctionType, code: types.CodeType) -> None:
+    def save_artifact(
+        self, fingerprint: str, entry: types.FunctionType, code: types.CodeType, spec: CallSpec
+    ) -> None:
         """After a trace: write the whole-model artifact and the fingerprint's pointer to it."""
         store, split_gm = self.store, self.split_gm
         if store is None or split_gm is None or self.cache_root is None:
@@ -251,7 +273,7 @@ class PiecewiseBackend:
             )
             return
         try:
-            portable: PortableCode = capture_code(code, func)
+            portable: PortableCode = capture_code(code, entry)
             saved: ModelArtifact = model_artifact.make(
                 portable,
                 split_gm,
@@ -260,6 +282,7 @@ class PiecewiseBackend:
                 list(self.layouts.items()),
                 self.sources,
                 None if getattr(self.compiler, "loads_without_graph", False) else self.contents,
+                spec,
             )
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
             log.info("no whole-model artifact (the next process traces again): %s", e)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera import validation as v
 from tessera.errors import ConfigError
 
 MODES = ("none", "stock", "trace_once", "piecewise")
@@ -51,89 +51,67 @@ def size_label(size: Size) -> str:
     return f"size {size}"
 
 
-def _env(name: str) -> str | None:
-    value = os.environ.get(f"TESSERA_{name}")
-    return value if value not in (None, "") else None
-
-
-def _env_bool(name: str) -> bool:
-    value = _env(name)
-    return value is not None and value.lower() in ("1", "true", "yes", "on")
-
-
-def _env_ints(name: str) -> tuple[int, ...] | None:
-    value = _env(name)
-    if value is None:
-        return None
-    try:
-        return tuple(int(part) for part in value.replace(" ", "").split(",") if part)
-    except ValueError as e:
-        raise ConfigError(f"TESSERA_{name}={value!r}: expected comma-separated integers") from e
-
-
-def _env_default(name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
-    def factory() -> Any:
-        value = _env(name)
-        if value is None:
-            return default
-        try:
-            return convert(value)
-        except ValueError as e:
-            raise ConfigError(f"TESSERA_{name}={value!r} is not valid: {e}") from e
-
-    return field(default_factory=factory)
-
-
 @dataclass(frozen=True)
 class CompileConfig:
-    """How to compile one model. ``TESSERA_<FIELD>`` variables replace the built-in defaults."""
+    """How to compile one model. ``TESSERA_<FIELD>`` variables replace the built-in defaults.
 
-    mode: str = _env_default("MODE", "piecewise")
-    backend: str = _env_default("BACKEND", "inductor")
-    splitting_ops: Sequence[SplittingOp] | None = None
-    compile_sizes: Sequence[int] = field(default_factory=lambda: _env_ints("COMPILE_SIZES") or ())
-    compile_ranges: Sequence[int] = field(default_factory=lambda: _env_ints("COMPILE_RANGES") or ())
-    max_size: int | None = _env_default("MAX_SIZE", None, int)
-    cudagraph_mode: str = _env_default("CUDAGRAPH_MODE", "none")
-    cudagraph_capture_sizes: Sequence[int] | None = field(
-        default_factory=lambda: _env_ints("CUDAGRAPH_CAPTURE_SIZES")
+    Every field is checked on construction (see validation.py): a bad value is a ``ConfigError``
+    naming the field, the value and what is accepted.
+    """
+
+    mode: str = field(
+        default_factory=lambda: v.env_value(
+            "MODE", "piecewise", check=lambda m: v.check_choice("mode", m, MODES)
+        )
     )
-    cache_dir: str | None = _env_default("CACHE_DIR", None)
+    backend: str = field(
+        default_factory=lambda: v.env_value(
+            "BACKEND", "inductor", check=lambda b: v.check_backend(b, BUILTIN_BACKENDS)
+        )
+    )
+    splitting_ops: Sequence[SplittingOp] | None = None
+    compile_sizes: Sequence[int] = field(default_factory=lambda: v.env_ints("COMPILE_SIZES") or ())
+    compile_ranges: Sequence[int] = field(default_factory=lambda: v.env_ints("COMPILE_RANGES") or ())
+    max_size: int | None = field(
+        default_factory=lambda: v.env_value("MAX_SIZE", None, int, check=v.check_max_size)
+    )
+    cudagraph_mode: str = field(
+        default_factory=lambda: v.env_value(
+            "CUDAGRAPH_MODE", "none", check=lambda m: v.check_choice("cudagraph_mode", m, CUDAGRAPH_MODES)
+        )
+    )
+    cudagraph_capture_sizes: Sequence[int] | None = field(
+        default_factory=lambda: v.env_ints("CUDAGRAPH_CAPTURE_SIZES")
+    )
+    cache_dir: str | None = field(default_factory=lambda: v.env_value("CACHE_DIR", None))
     disable_cache: bool = False
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     passes: Sequence[Any] = ()
+    check_inputs: bool = True  # compare every call with what the trace assumed (see guards.py)
 
     def __post_init__(self) -> None:
-        # Normalise sequences to tuples so the frozen record cannot be mutated through a list.
-        for name in ("compile_sizes", "compile_ranges", "passes"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.cudagraph_capture_sizes is not None:
-            object.__setattr__(self, "cudagraph_capture_sizes", tuple(self.cudagraph_capture_sizes))
-        if self.splitting_ops is not None:
-            object.__setattr__(self, "splitting_ops", tuple(self.splitting_ops))
-        object.__setattr__(self, "inductor_config", dict(self.inductor_config))
-        # The environment switch is an operator's kill switch: it wins over the config.
-        object.__setattr__(self, "disable_cache", bool(self.disable_cache) or _env_bool("DISABLE_CACHE"))
-        self._validate()
-
-    def _validate(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r} is unknown; choose one of {MODES}")
-        if self.backend not in BUILTIN_BACKENDS and ":" not in self.backend:
-            raise ConfigError(
-                f"backend={self.backend!r} is unknown; choose one of {BUILTIN_BACKENDS} "
-                "or name your own compiler as 'package.module:ClassName'"
-            )
-        if self.cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ConfigError(
-                f"cudagraph_mode={self.cudagraph_mode!r} is unknown; choose one of {CUDAGRAPH_MODES}"
-            )
-        if self.max_size is not None and (not isinstance(self.max_size, int) or self.max_size < 1):
-            raise ConfigError(f"max_size={self.max_size!r} must be a positive integer or None")
-        _check_sizes("compile_sizes", self.compile_sizes, self.max_size, minimum=0)
-        _check_sizes("compile_ranges", self.compile_ranges, self.max_size, minimum=1)
-        if self.cudagraph_capture_sizes is not None:
-            _check_sizes("cudagraph_capture_sizes", self.cudagraph_capture_sizes, self.max_size, 1)
+        # Checked, then normalised to tuples so the frozen record cannot be mutated through a list.
+        v.check_choice("mode", self.mode, MODES)
+        v.check_backend(self.backend, BUILTIN_BACKENDS)
+        v.check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
+        v.check_max_size(self.max_size)
+        v.check_bool("disable_cache", self.disable_cache)
+        v.check_bool("check_inputs", self.check_inputs)
+        fields = {
+            "splitting_ops": v.check_splitting_ops(self.splitting_ops),
+            "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 0),
+            "compile_ranges": v.check_sizes("compile_ranges", self.compile_ranges, self.max_size, 1),
+            "cudagraph_capture_sizes": None
+            if self.cudagraph_capture_sizes is None
+            else v.check_sizes("cudagraph_capture_sizes", self.cudagraph_capture_sizes, self.max_size, 1),
+            "cache_dir": v.check_cache_dir(self.cache_dir),
+            "inductor_config": v.check_inductor_config(self.inductor_config),
+            "passes": v.check_passes(self.passes),
+            # The environment switch is an operator's kill switch: it wins over the config.
+            "disable_cache": self.disable_cache or v.env_bool("DISABLE_CACHE"),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
         if self.cudagraph_mode != "none" and self.cudagraph_capture_sizes is not None:
             missing = [s for s in self.compile_sizes if s not in self.cudagraph_capture_sizes]
             if missing:
@@ -142,10 +120,6 @@ class CompileConfig:
                     "padded to a larger capture size and never use their static artifact; add them to "
                     "cudagraph_capture_sizes or drop them from compile_sizes"
                 )
-        if not isinstance(self.inductor_config, dict) or not all(
-            isinstance(k, str) for k in self.inductor_config
-        ):
-            raise ConfigError("inductor_config must map Inductor config names (str) to values")
 
     @property
     def ranges(self) -> tuple[SizeRange, ...]:
@@ -192,29 +166,16 @@ class CompileConfig:
         return hashlib.sha256(blob).hexdigest()
 
 
-def _check_sizes(name: str, sizes: Sequence[int], max_size: int | None, minimum: int) -> None:
-    for size in sizes:
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise ConfigError(f"{name} must hold integers; got {size!r}")
-        if size < minimum:
-            raise ConfigError(f"{name} must be >= {minimum}; got {size}")
-        if max_size is not None and size > max_size:
-            raise ConfigError(f"{name} entry {size} is above max_size={max_size}; raise max_size")
-    if list(sizes) != sorted(set(sizes)):
-        raise ConfigError(f"{name}={list(sizes)} must be sorted ascending without repeats")
-
-
 def op_name(op: SplittingOp) -> str:
     """A stable, human-readable name for a splitting op spec (used in hashes and messages)."""
-    import torch
-
+    from tessera import _compat
     from tessera._compat import op_overload_name, packet_name
 
     if isinstance(op, str):
         return op
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, _compat.OpOverloadPacket):
         return packet_name(op)
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, _compat.OpOverload):
         return op_overload_name(op)
     module = getattr(op, "__module__", None) or ""
     return f"{module}.{getattr(op, '__qualname__', getattr(op, '__name__', repr(op)))}"

@@ -33,3 +33,13 @@ class CompilerError(TesseraError):
 
 class CacheError(TesseraError):
     """The persistent cache could not be used (a problem tessera cannot heal by recompiling)."""
+
+
+class TesseraWarning(UserWarning):
+    """Something tessera stepped around (a cache it could not use, a splitting op that matched
+    nothing): results stay correct, but the user should know."""
+
+
+class CacheWarning(TesseraWarning):
+    """A cache root or entry could not be used (unwritable, full, not trusted); the model runs
+    without that part of the cache."""

@@ -8,13 +8,14 @@ from __future__ import annotations
 import importlib
 import logging
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from tessera import _compat
 from tessera._compat import op_overload_name, op_schema_name, packet_name
 from tessera.config import SplittingOp
 from tessera.errors import ConfigError
@@ -51,52 +52,67 @@ def _resolve_dotted(spec: str) -> object:
         raise ConfigError(f"splitting op {spec!r}: {module_name} has no {attr!r}") from e
 
 
-def make_matcher(specs: Sequence[SplittingOp]) -> Callable[[torch.fx.Node], bool]:
-    """A predicate telling whether a node calls one of ``specs``.
+class SplitMatcher:
+    """Tells whether a node calls one of the splitting-op specs, and which specs never matched.
 
     ``"ns::op"`` matches every overload of the op, ``"ns::op.overload"`` only that one (a call to
     the packet counts as ``.default``); other specs match by identity of the call target.
     """
-    packet_names: set[str] = set()
-    overload_names: set[str] = set()
-    targets: list[object] = []
-    for spec in specs:
-        if isinstance(spec, str) and "::" in spec:
-            (overload_names if "." in spec.split("::", 1)[1] else packet_names).add(spec)
-        elif isinstance(spec, str):
-            targets.append(_resolve_dotted(spec))
-        elif isinstance(spec, torch._ops.OpOverloadPacket):
-            packet_names.add(packet_name(spec))
-        elif isinstance(spec, torch._ops.OpOverload):
-            overload_names.add(op_overload_name(spec))
-        elif callable(spec):
-            targets.append(spec)
-        else:
-            raise ConfigError(f"splitting op {spec!r} is not an op name ('ns::op'), an op or a callable")
 
-    def matches(node: torch.fx.Node) -> bool:
+    def __init__(self, specs: Sequence[SplittingOp]) -> None:
+        self.specs = tuple(specs)
+        self.matched: set[int] = set()
+        self._packets: dict[str, int] = {}
+        self._overloads: dict[str, int] = {}
+        self._targets: list[tuple[object, int]] = []
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, str) and "::" in spec:
+                (self._overloads if "." in spec.split("::", 1)[1] else self._packets)[spec] = i
+            elif isinstance(spec, str):
+                self._targets.append((_resolve_dotted(spec), i))
+            elif isinstance(spec, _compat.OpOverloadPacket):
+                self._packets[packet_name(spec)] = i
+            elif isinstance(spec, _compat.OpOverload):
+                self._overloads[op_overload_name(spec)] = i
+            elif callable(spec):
+                self._targets.append((spec, i))
+            else:
+                raise ConfigError(f"splitting op {spec!r} is not an op name ('ns::op'), an op or a callable")
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        found = self._spec_of(node)
+        if found is not None:
+            self.matched.add(found)
+        return found is not None
+
+    def _spec_of(self, node: torch.fx.Node) -> int | None:
         if node.op != "call_function":
-            return False
+            return None
         target = node.target
-        if isinstance(target, torch._ops.OpOverloadPacket):
+        if isinstance(target, _compat.OpOverloadPacket):
             name = packet_name(target)
-            return name in packet_names or f"{name}.default" in overload_names
-        if isinstance(target, torch._ops.OpOverload):
-            return op_schema_name(target) in packet_names or op_overload_name(target) in overload_names
-        return any(target is t for t in targets)
+            return self._packets.get(name, self._overloads.get(f"{name}.default"))
+        if isinstance(target, _compat.OpOverload):
+            found = self._packets.get(op_schema_name(target))
+            return found if found is not None else self._overloads.get(op_overload_name(target))
+        return next((i for t, i in self._targets if target is t), None)
 
-    return matches
+    def unmatched(self) -> list[str]:
+        """Names of the specs no node of the graph called."""
+        from tessera.config import op_name
+
+        return [op_name(spec) for i, spec in enumerate(self.specs) if i not in self.matched]
 
 
 def split_graph(
-    gm: torch.fx.GraphModule, specs: Sequence[SplittingOp]
+    gm: torch.fx.GraphModule, specs: Sequence[SplittingOp] | SplitMatcher
 ) -> tuple[torch.fx.GraphModule, list[SplitItem]]:
     """Cut ``gm`` before and after every splitting-op node; return the split module and pieces.
 
     A ``getitem`` on a node's result stays in that node's piece so that no piece takes a whole
     tuple as input. Original node order is kept: reordering breaks graphs with in-place mutation.
     """
-    matches = make_matcher(specs)
+    matches = specs if isinstance(specs, SplitMatcher) else SplitMatcher(specs)
     piece_of: dict[torch.fx.Node, int] = {}
     splitting_ids: set[int] = set()
     current = 0

@@ -117,69 +117,92 @@ def mark_dynamic(values: Mapping[str, Any], choice: DynamicChoice) -> None:
             dynamo.mark_dynamic(values[name], dim)
 
 
+def _entry(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return target(*args, **kwargs)
+
+
+def entry_frame() -> types.FunctionType:
+    """A fresh copy of the frame tessera traces: it calls the model, so Dynamo inlines the model's
+    forward even where that lives in torch (``nn.Sequential``), and the root's hooks stay out of the
+    graph (hooks.py runs them). One copy per model: Dynamo keeps its state per code object."""
+    return types.FunctionType(_entry.__code__.replace(), _entry.__globals__, "tessera_entry")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The one trace: the first output, the bytecode as a plain function, and what Dynamo read."""
+
+    output: Any
+    call: Callable[..., Any]  # call(target, *args, **kwargs): Dynamo's bytecode, no frame evaluation
+    code: types.CodeType
+    state: tuple[tuple[str, Any], ...]  # (source, value) of every value guard Dynamo dropped
+    shape_guards: tuple[str, ...]  # Dynamo's symbolic-shape guards, as Python over L['...']
+
+
 def trace_once(
-    func: types.FunctionType,
-    bound_to: object | None,
+    entry: types.FunctionType,
     backend: Callable[..., Any],
+    target: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> tuple[Any, Callable[..., Any], types.CodeType]:
-    """Trace ``func`` with every guard dropped; return the first output and a Dynamo-free callable.
+    name: str,
+    dynamic_state: tuple[str, ...] = (),
+) -> Trace:
+    """Trace ``entry(target, *args, **kwargs)`` with every guard dropped (and recorded).
 
-    The callable runs the bytecode Dynamo produced (graph call plus input/output plumbing) as a
-    plain function, so later calls never enter Dynamo's frame evaluation or guard checks.
+    ``dynamic_state`` names Python ints of the arguments' objects (``kwargs['cache'].length``)
+    to trace as symbols: state that changed between calls (see api.py).
+
+    The returned callable runs the bytecode Dynamo produced (graph call plus input/output
+    plumbing) as a plain function, so later calls never enter Dynamo's frame evaluation.
     """
-    code = func.__code__
+    code = entry.__code__
     captured: list[types.CodeType] = []
+    state: list[tuple[str, Any]] = []
+    shape_guards: list[str] = []
 
     def hook(old: types.CodeType, new: types.CodeType) -> None:
         if old is code:
             captured.append(new)
 
-    target = types.MethodType(func, bound_to) if bound_to is not None else func
+    def drop_guards(entries: list[Any]) -> list[bool]:
+        # Every guard is dropped; the values it would have checked are kept for guards.py.
+        for guard in entries:
+            if guard.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and guard.has_value:
+                state.append((guard.name, guard.value))
+            elif guard.guard_type == "SHAPE_ENV":
+                shape_guards.extend(_compat.guard_code(guard))
+        return [False] * len(entries)
+
     compiled = torch.compile(
-        target,
-        backend=backend,
-        fullgraph=True,
-        dynamic=False,
-        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        entry, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": drop_guards}
     )
-    # Other compiled entries for this code object (another instance, a stock compile) would be
-    # matched without guards; start from none so our trace really happens.
-    _compat.reset_code(code)
     handle = _compat.register_bytecode_hook(hook)
     try:
-        with _compat.single_trace_settings():
-            output = compiled(*args, **kwargs)
+        with _compat.single_trace_settings(dynamic_state):
+            output = compiled(target, *args, **kwargs)
     except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error
         # stays reachable as .dynamo_error instead of being printed as the cause.
-        error = UnsupportedModelError(describe_trace_failure(func, e))
+        error = UnsupportedModelError(describe_trace_failure(name, e))
         error.dynamo_error = e
         raise error from None
     except _compat.constraint_violation_error() as e:
         raise ConfigError(f"a dim in dynamic_dims cannot be dynamic: the code fixes its size. {e}") from e
     finally:
         handle.remove()
-        # Our entry has no guards: left in place it would serve any later compile of this code.
+        # Our entry has no guards: left in place it would serve any later call of this frame.
         _compat.reset_code(code)
     if not captured:
-        raise UnsupportedModelError(
-            f"Dynamo did not trace {func.__qualname__} (it may be skipped as a torch/library "
-            "function); wrap the model code in a function of your own"
-        )
-    return output, _as_function(captured[-1], func, bound_to, func.__globals__), captured[-1]
+        raise UnsupportedModelError(f"Dynamo did not trace {name}; tessera needs the forward in one graph")
+    return Trace(output, _as_function(captured[-1], entry), captured[-1], tuple(state), tuple(shape_guards))
 
 
-def _as_function(
-    code: types.CodeType, func: types.FunctionType, bound_to: object | None, namespace: dict[str, Any]
-) -> Callable[..., Any]:
-    fast = types.FunctionType(code, namespace, func.__name__, func.__defaults__, func.__closure__)
-    fast.__kwdefaults__ = func.__kwdefaults__
-    return types.MethodType(fast, bound_to) if bound_to is not None else fast
+def _as_function(code: types.CodeType, entry: types.FunctionType) -> Callable[..., Any]:
+    return types.FunctionType(code, entry.__globals__, entry.__name__)
 
 
-def describe_trace_failure(func: types.FunctionType, error: BaseException) -> str:
+def describe_trace_failure(name: str, error: BaseException) -> str:
     """One paragraph naming the cause and the user source line, instead of a Dynamo stack dump."""
     message = str(error).strip().splitlines()
     cause = next((line for line in message if line.strip()), type(error).__name__)
@@ -189,7 +212,7 @@ def describe_trace_failure(func: types.FunctionType, error: BaseException) -> st
         frame = stack[-1]
         where = f" at {frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return (
-        f"{func.__qualname__} cannot be traced as one graph{where}. Cause: {cause}. "
+        f"{name} cannot be traced as one graph{where}. Cause: {cause}. "
         "tessera needs the whole forward in one graph: remove the graph break or data-dependent "
         "branch there, or use mode='stock'."
     )
@@ -260,7 +283,7 @@ def _restore_constants(
 
 
 def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode:
-    """The portable form of the transformed ``code`` of ``func``; NotPortable says why not."""
+    """The portable form of ``code``, Dynamo's transformation of ``func``; NotPortable says why not."""
     compiled_fn = None
     modules: dict[str, str] = {}
     objects: dict[str, bytes] = {}
@@ -298,20 +321,17 @@ def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode
 
 
 def rebuild_call(
-    portable: PortableCode,
-    func: types.FunctionType,
-    bound_to: object | None,
-    graph_callable: Callable[..., Any],
+    portable: PortableCode, entry: types.FunctionType, graph_callable: Callable[..., Any]
 ) -> Callable[..., Any]:
     """Dynamo's bytecode as a plain function again, calling ``graph_callable`` for the graph."""
     code = _restore_constants(marshal.loads(portable.code), dict(portable.constants), ())
-    if code.co_freevars != func.__code__.co_freevars:
-        raise NotPortable("the function's closure changed shape")
-    namespace = func.__globals__
+    if code.co_freevars:
+        raise NotPortable("the saved bytecode expects a closure")
+    namespace = entry.__globals__
     for name, module in portable.modules:
         namespace[name] = _compat.module_for_bytecode(module)
     for name, blob in portable.objects:
         namespace[name] = pickle.loads(blob)
     # Dynamo installs its compiled graph the same way: a uniquely named global of the module.
     namespace[portable.compiled_fn] = graph_callable
-    return _as_function(code, func, bound_to, namespace)
+    return _as_function(code, entry)

@@ -80,7 +80,7 @@ def test_damaged_file_is_reported_once_rebuilt_and_then_hits(which, how):
     if which == "artifact":
         target = sorted((entry / "artifacts").glob("*.bin"))[0]
     elif which == "source":
-        (target,) = (entry / "sources").iterdir()
+        (target,) = (entry / "sources").glob("toy_llama.py@*")
     else:
         target = entry / which
     _damage(target, how)

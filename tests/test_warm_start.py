@@ -75,6 +75,9 @@ def test_identical_layers_compile_and_store_once_on_an_empty_inductor_cache(tmp_
     assert counts["backend_compilations"] == 9 and counts["cache_hits"] == 6  # twins share
     entry = Path(report["cache_dir"])
     assert len(list((entry / "artifacts").glob("*.bin"))) == 3
+    # Inductor's ISA probe ran once here; its result is kept for the next process on this machine.
+    (record,) = (tmp_path / "cache" / "machine").glob("*.json")
+    assert json.loads(record.read_text())["vec_isa"]
     records = index.parse((entry / INDEX).read_text()).entries
     assert len(records) == 9 and len({r.file for r in records.values()}) == 3
 
@@ -190,3 +193,22 @@ def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
     torch.testing.assert_close(loaded.load("stripped.bin", None, (), 0, 6)(x, w)[0], expected)
     with pytest.raises(ValueError, match="not a tessera piece file"):
         kernels.PieceFile.from_bytes(b"garbage")
+
+
+def test_recorded_isa_probe_is_trusted_only_when_the_cpu_flags_agree(tmp_path):
+    from tessera import _compat
+    from tessera.compilers import InductorCompiler
+
+    candidates = _compat.vec_isa_candidates()
+    compiler = InductorCompiler()
+    assert not compiler._probe_recorded()  # no cache root: nothing recorded, always probe
+    compiler.use_machine_record(tmp_path)
+    assert compiler.machine_record is not None and not compiler._probe_recorded()
+    compiler.machine_record.parent.mkdir(parents=True)
+    compiler.machine_record.write_text(json.dumps({"vec_isa": "an ISA this CPU does not claim"}))
+    assert not compiler._probe_recorded()
+    if candidates:  # x86: the widest ISA the flags claim is what a successful probe picks
+        compiler.machine_record.write_text(json.dumps({"vec_isa": candidates[0]}))
+        assert compiler._probe_recorded()
+    compiler.machine_record.write_text("{damaged")
+    assert not compiler._probe_recorded()

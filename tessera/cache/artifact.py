@@ -21,15 +21,17 @@ from typing import Any
 import torch
 import torch.fx
 
+from tessera import _compat
 from tessera._compat import op_schema_name, overload_of, packet_name
 from tessera.cache.key import SourceFile
 from tessera.cache.store import MODEL, atomic_write, report_damage, sha256_file
+from tessera.guards import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 from tessera.wrapper import PortableCode
 
 WARM_DIR = "warm"
-FORMAT = 3
+FORMAT = 4
 
 
 class WarmStartUnavailable(Exception):
@@ -40,9 +42,9 @@ class _Pickler(pickle.Pickler):
     """Pickles torch ops by name: ``OpOverload`` objects themselves cannot be pickled."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch._ops.OpOverload):
+        if isinstance(obj, _compat.OpOverload):
             return _resolve_op, (op_schema_name(obj), overload_of(obj))
-        if isinstance(obj, torch._ops.OpOverloadPacket):
+        if isinstance(obj, _compat.OpOverloadPacket):
             return _resolve_op, (packet_name(obj), None)
         return NotImplemented
 
@@ -159,6 +161,7 @@ class ModelArtifact:
     pieces: tuple[PieceRecord, ...]  # the compiled pieces' records
     layouts: tuple[tuple[str, OutputLayout | None], ...]  # splitting piece -> output strides
     sources: tuple[SourceFile, ...]
+    call_spec: CallSpec  # what the trace assumed of every call
 
 
 def make(
@@ -169,6 +172,7 @@ def make(
     layouts: Sequence[tuple[str, OutputLayout | None]],
     sources: Sequence[SourceFile],
     contents: dict[str, str] | None,
+    call_spec: CallSpec,
 ) -> ModelArtifact:
     """The artifact of a finished trace. ``contents`` (piece -> content hash) keeps the compiled
     pieces' graphs, once per distinct content, for compilers that load from a graph."""
@@ -195,6 +199,7 @@ def make(
         pieces=tuple(dataclasses.replace(p, served=()) for p in pieces),
         layouts=tuple(layouts),
         sources=tuple(sources),
+        call_spec=call_spec,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from tessera import _compat
 from tessera.config import CompileConfig
 
 # TESSERA_* variables that change compiled code (the others: paths and switches, do not).
@@ -35,7 +36,7 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
-FINGERPRINT_FORMAT = 3
+FINGERPRINT_FORMAT = 4
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -182,7 +183,7 @@ def _canonical_nodes(graph: torch.fx.GraphModule, canon: Any) -> list[str]:
 
 
 def _callable_name(target: Any) -> str:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, (_compat.OpOverload, _compat.OpOverloadPacket)):
         return str(target)
     module = getattr(target, "__module__", None) or ""
     return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', repr(target)))}"
@@ -273,8 +274,16 @@ def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) 
     attrs = getattr(value, "__dict__", None)
     if isinstance(attrs, dict) and not isinstance(value, (torch.nn.Module, types.ModuleType, type)):
         items = sorted(attrs.items(), key=lambda kv: str(kv[0]))[:64]
-        return [type(value).__qualname__, [(str(k), describe(v, depth=depth + 1)) for k, v in items]]
+        # An object's ints (a cache's current length) by type only: the call check (guards.py)
+        # knows which of them the trace assumed, and a moving length must not hide the artifact.
+        return [type(value).__qualname__, [(str(k), _attribute(v, depth)) for k, v in items]]
     return type(value).__qualname__
+
+
+def _attribute(value: Any, depth: int) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return type(value).__name__
+    return describe(value, depth=depth + 1)
 
 
 def _module_state(model: torch.nn.Module) -> list[Any]:
@@ -286,7 +295,8 @@ def _module_state(model: torch.nn.Module) -> list[Any]:
             if not k.startswith("_") and not isinstance(v, torch.nn.Module)
         }
         state.append((name, type(module).__qualname__, module.training, sorted(attrs.items())))
-        for pname, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for pname, tensor in tensors:
             if tensor is not None:
                 state.append((f"{name}.{pname}", tuple(tensor.shape), str(tensor.dtype), str(tensor.device)))
     return state

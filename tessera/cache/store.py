@@ -25,6 +25,7 @@ import platformdirs
 from tessera.cache import index as index_
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, compute_key
+from tessera.errors import CacheWarning
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ _HELD_OPEN: list[Any] = []  # in-use markers held (shared-locked) for the life o
 _WARNED: set[Path] = set()  # damaged files already reported by this process
 
 
-class CacheDamagedWarning(UserWarning):
+class CacheDamagedWarning(CacheWarning):
     """A cache file was missing or damaged; tessera rebuilt what depended on it."""
 
 

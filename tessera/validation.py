@@ -1,0 +1,195 @@
+"""Checks of every ``CompileConfig`` field and ``TESSERA_*`` variable, done once, up front.
+
+Each message names the field (or variable), the value given and what is accepted.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tessera.errors import ConfigError
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
+
+def env(name: str) -> str | None:
+    """``TESSERA_<name>``, or None when unset or empty."""
+    value = os.environ.get(f"TESSERA_{name}")
+    return value if value not in (None, "") else None
+
+
+def env_bool(name: str) -> bool:
+    value = os.environ.get(f"TESSERA_{name}", "").strip().lower()
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise ConfigError(
+        f"TESSERA_{name}={os.environ[f'TESSERA_{name}']!r}: expected one of 1/true/yes/on or 0/false/no/off"
+    )
+
+
+def env_ints(name: str) -> tuple[int, ...] | None:
+    value = env(name)
+    if value is None:
+        return None
+    try:
+        return tuple(int(part) for part in value.replace(" ", "").split(",") if part)
+    except ValueError as e:
+        raise ConfigError(
+            f"TESSERA_{name}={value!r}: expected comma-separated integers such as 1,8,16"
+        ) from e
+
+
+def env_value(
+    name: str, default: Any, convert: Callable[[str], Any] = str, check: Callable[[Any], Any] | None = None
+) -> Any:
+    """``TESSERA_<name>`` converted and checked, or ``default``; errors name the variable."""
+    value = env(name)
+    if value is None:
+        return default
+    try:
+        converted = convert(value)
+        if check is not None:
+            check(converted)
+    except (ValueError, ConfigError) as e:
+        raise ConfigError(f"TESSERA_{name}={value!r} is not valid: {e}") from e
+    return converted
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_choice(field: str, value: Any, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{field}={value!r} is unknown; choose one of {tuple(choices)}")
+
+
+def check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field}={value!r} must be True or False (a {type(value).__name__} was given)")
+
+
+def check_sizes(field: str, sizes: Any, max_size: int | None, minimum: int) -> tuple[int, ...]:
+    """A sorted, repeat-free sequence of integers >= ``minimum`` (and <= ``max_size``)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+        raise ConfigError(
+            f"{field}={sizes!r} must be a list of integers such as [1, 8, 16] "
+            f"(a {type(sizes).__name__} was given)"
+        )
+    for size in sizes:
+        if not is_int(size):
+            raise ConfigError(f"{field} must hold integers; got {size!r} in {list(sizes)}")
+        if size < minimum:
+            raise ConfigError(f"{field} must be >= {minimum}; got {size}")
+        if max_size is not None and size > max_size:
+            raise ConfigError(f"{field} entry {size} is above max_size={max_size}; raise max_size")
+    if list(sizes) != sorted(set(sizes)):
+        raise ConfigError(f"{field}={list(sizes)} must be sorted ascending without repeats")
+    return tuple(sizes)
+
+
+def check_max_size(value: Any) -> None:
+    if value is not None and (not is_int(value) or value < 1):
+        raise ConfigError(f"max_size={value!r} must be a positive integer or None")
+
+
+def check_backend(value: Any, builtin: Sequence[str]) -> None:
+    if not isinstance(value, str) or (value not in builtin and ":" not in value):
+        raise ConfigError(
+            f"backend={value!r} is unknown; choose one of {tuple(builtin)} "
+            "or name your own compiler as 'package.module:ClassName'"
+        )
+
+
+def check_splitting_ops(value: Any) -> tuple[Any, ...] | None:
+    """None (the default attention ops), or a list of op names, ops or callables."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(
+            f"splitting_ops={value!r} must be a list (e.g. [{value!r}] or [torch.ops.ns.op]), "
+            f"or None for the default attention ops"
+        )
+    for spec in value:
+        if isinstance(spec, str):
+            if "::" not in spec and "." not in spec:
+                raise ConfigError(
+                    f"splitting op {spec!r}: expected 'ns::op', 'ns::op.overload' or a dotted path "
+                    "such as 'torch.nn.functional.scaled_dot_product_attention'"
+                )
+        elif not callable(spec):
+            raise ConfigError(f"splitting op {spec!r} is not an op name, an op or a callable")
+    return tuple(value)
+
+
+def check_inductor_config(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(
+            f"inductor_config={value!r} must map Inductor config names to values, "
+            "e.g. {'max_autotune': False}"
+        )
+    return dict(value)
+
+
+def check_inductor_keys(value: Mapping[str, Any]) -> None:
+    """Every key names an Inductor setting (imports Inductor's config, so only when there are keys)."""
+    if not value:
+        return
+    from tessera import _compat
+
+    known = _compat.inductor_config_names()
+    unknown = sorted(k for k in value if k not in known)
+    if unknown:
+        raise ConfigError(
+            f"inductor_config has unknown Inductor setting(s) {unknown}; see torch._inductor.config "
+            "(e.g. 'max_autotune', 'cpp.simdlen')"
+        )
+
+
+def check_passes(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ConfigError(f"passes={value!r} must be a list of pass objects")
+    for p in value:
+        if not callable(p) or not callable(getattr(p, "uuid", None)):
+            raise ConfigError(f"pass {p!r} must be callable and have a uuid() method naming its version")
+    return tuple(value)
+
+
+def check_cache_dir(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ConfigError(f"cache_dir={value!r} must be a directory path or None")
+    return os.fspath(value)
+
+
+def check_dynamic_dims(value: Any) -> None:
+    """``{"arg": dim}`` or ``{"arg": (dim, ...)}``; names and dims are checked against the call later."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"dynamic_dims={value!r} must map argument names to a dim or a tuple of dims")
+    for name, dims in value.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"dynamic_dims key {name!r} must be an argument name (str)")
+        items = dims if isinstance(dims, (tuple, list)) else (dims,)
+        if not items or not all(is_int(d) for d in items):
+            raise ConfigError(
+                f"dynamic_dims[{name!r}]={dims!r} must be an int or a tuple of ints (e.g. 0 or (0, 1))"
+            )
+
+
+def check_dynamic_dim_names(signature: inspect.Signature, dynamic_dims: Mapping[str, Any]) -> None:
+    """Every name in ``dynamic_dims`` is a parameter of the forward (unless it takes ``**kwargs``)."""
+    params = signature.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(dynamic_dims) - set(params))
+    if unknown:
+        raise ConfigError(f"dynamic_dims names {unknown}, but the forward takes {list(params)}")
