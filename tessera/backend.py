@@ -26,7 +26,7 @@ from tessera import _compat, counters
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
 from tessera.cache.key import SourceFile, collect_factors, graph_signature, piece_content, traced_sources
-from tessera.cache.store import CacheEntry, EntryUnusable
+from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
@@ -53,7 +53,6 @@ class PiecewiseBackend:
         self.cache_root = cache_root
         self.prefix = prefix
         self.manager = CompilerManager(compiler, config, None)
-        self.store: CacheEntry | None = None
         self.sources: list[SourceFile] = []
         self.items: list[SplitItem] = []  # trace path only
         self.order: list[tuple[str, bool]] = []  # every piece in order: (name, is_splitting)
@@ -110,10 +109,10 @@ class PiecewiseBackend:
                 self.sources,
                 graph_signature(gm),
             )
-            self.store = CacheEntry.create(
+            store = CacheEntry.create(
                 self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), self.sources
             )
-            self.manager = CompilerManager(self.compiler, self.config, self.store)
+            self.manager = CompilerManager(self.compiler, self.config, store)
         for item in items:
             if item.is_splitting:
                 # The split module calls self.submod_N(...): an instance attribute shadows the
@@ -201,7 +200,6 @@ class PiecewiseBackend:
         read = time.perf_counter()
         saved = model_artifact.loads(data)
         backend = cls(config, compiler, cache_root, prefix)
-        backend.store = store
         backend.manager = CompilerManager(compiler, config, store)
         backend.sources = list(saved.sources)
         backend.phases = {"read_and_verify": read - start, "unpickle": time.perf_counter() - read}
@@ -287,8 +285,11 @@ class PiecewiseBackend:
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return
-        store.write_model(model_artifact.dumps(saved))
-        model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
+        try:
+            store.write_model(model_artifact.dumps(saved))
+            model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
+        except OSError as e:  # the model runs; the next process traces again
+            warn_write_failed(store.path, e)
 
     def _saved(self, item: SplitItem) -> bool:
         record = self.records.get(item.name)
@@ -342,6 +343,11 @@ class PiecewiseBackend:
                 record = dataclasses.replace(record, served=self.runners[name].served())
             out.append(record)
         return tuple(out)
+
+    @property
+    def store(self) -> CacheEntry | None:
+        """The cache entry in use; None when the cache is off or stepped aside for this model."""
+        return self.manager.store
 
     @property
     def loaded(self) -> int:

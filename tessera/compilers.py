@@ -23,7 +23,7 @@ import torch.fx
 
 from tessera import _compat, counters, kernels
 from tessera.cache.key import machine_factors, machine_key
-from tessera.cache.store import atomic_write
+from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
 from tessera.errors import CompilerError
 
@@ -173,9 +173,14 @@ class InductorCompiler:
         fn = self._callable(piece, artifact, key)
         handle = None
         if self.cache_dir is not None and (piece.standard or piece.direct is not None):
-            atomic_write(self.cache_dir / key, piece.to_bytes())
-            handle = key
-            counters.bump("artifacts_saved")
+            try:
+                atomic_write(self.cache_dir / key, piece.to_bytes())
+            except OSError as e:  # disk full, read-only: this piece lives in memory only
+                warn_write_failed(self.cache_dir, e)
+                self.cache_dir = None
+            else:
+                handle = key
+                counters.bump("artifacts_saved")
         return fn, handle
 
     def load(

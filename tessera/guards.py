@@ -52,7 +52,10 @@ class CallSpec:
     def mismatches(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[Assumption, Any]]:
         """Each assumption ``(args, kwargs)`` breaks, with the value found."""
         out = []
+        wrong_type: list[str] = []  # paths whose type differs: their dtype etc. say nothing more
         for assumption in self.assumptions:
+            if any(assumption.expr.startswith(p) or f"({p})" in assumption.expr for p in wrong_type):
+                continue
             try:
                 found = eval(
                     assumption.expr, {}, {"args": args, "kwargs": kwargs}
@@ -61,6 +64,8 @@ class CallSpec:
                 found = _Missing(f"{type(e).__name__}: {e}")
             if not _same(found, assumption.expected):
                 out.append((assumption, found))
+                if assumption.expr.startswith("type(") and assumption.expr.endswith(")"):
+                    wrong_type.append(assumption.expr[5:-1])
         return out
 
 

@@ -17,9 +17,10 @@ from typing import Any
 import torch.fx
 
 from tessera import counters
+from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
 from tessera.cache.key import sha256_json
-from tessera.cache.store import ARTIFACTS, CacheEntry
+from tessera.cache.store import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 
@@ -90,8 +91,9 @@ class CompilerManager:
         twin = self._by_content.get(content)
         if twin is not None:
             counters.bump("cache_hits")
-            if self.store is not None and twin.record is not None:
-                self.store.link_artifact(key, twin.record)
+            shared = twin.record
+            if self.store is not None and shared is not None:
+                self._write(lambda store: store.link_artifact(key, shared))
             return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
         # A unique scratch name: several processes may compile the same entry at once.
         scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -102,11 +104,23 @@ class CompilerManager:
             counters.bump("cache_misses")
             # Recorded only now, after the artifact is complete on disk: a process that dies
             # mid-compile leaves no index entry for a later process to trust.
-            record = self.store.record_artifact(key, str(handle), content)
+            record = self._write(lambda store: store.record_artifact(key, str(handle), content))
         outcome = CompileOutcome(fn, time.perf_counter() - start, "compiled", record)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome
+
+    def _write(self, update: Callable[[CacheEntry], Any]) -> Any:
+        """Apply ``update`` to the entry; on failure (disk full, read-only) warn once, stop using
+        the cache for this model's remaining pieces, and keep going with what is in memory."""
+        assert self.store is not None, "_write needs a store"
+        try:
+            return update(self.store)
+        except OSError as e:
+            warn_write_failed(self.store.path, e)
+            self.store = None
+            self.compiler.initialize_cache(None)
+            return None
 
     def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | None:
         """The artifact for ``(size, index)`` from the cache, or None; never compiles."""
@@ -126,6 +140,11 @@ class CompilerManager:
             return None
         record = self.store.index.entries.get(key)
         if record is None:
+            return None
+        untrusted = trust.problem(self.store.path / record.file) if record.file else None
+        if untrusted is not None:
+            trust.warn_once(self.store.path / record.file, untrusted, "not loading it; compiling the piece")
+            self.store.forget(key)
             return None
         problem = self.store.check(record)
         if problem is None:

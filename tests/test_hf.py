@@ -156,3 +156,32 @@ def test_warm_process_generates_the_same_tokens_without_tracing(tmp_path, family
     for length, tokens in cold_out["tokens"].items():
         assert torch.equal(tokens, cold_out["eager"][length]), f"{family} cold, prompt {length}"
         assert torch.equal(warm_out["tokens"][length], tokens), f"{family} warm, prompt {length}"
+
+
+@pytest.mark.parametrize("family", ["bert", "vit"])
+def test_encoders_with_a_dynamic_batch_match_eager(family):
+    """Unmodified encoders: the batch dim (dim 0 of every input) is dynamic by default."""
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+    if family == "bert":
+        config = transformers.BertConfig(vocab_size=100, **sizes, attn_implementation="sdpa")
+        model = transformers.BertModel(config).eval()
+
+        def inputs(batch):
+            ids = torch.randint(0, 100, (batch, 12), generator=torch.Generator().manual_seed(batch))
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    else:
+        config = transformers.ViTConfig(image_size=32, patch_size=8, **sizes, attn_implementation="sdpa")
+        model = transformers.ViTModel(config, add_pooling_layer=False).eval()
+
+        def inputs(batch):
+            return {
+                "pixel_values": torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+            }
+
+    compiled = tessera.compile(model, backend="eager")
+    with tessera.counters.expect(graphs_traced=1), torch.no_grad():
+        for batch in (3, 1, 2, 7):
+            expected = model(**inputs(batch)).last_hidden_state
+            torch.testing.assert_close(compiled(**inputs(batch)).last_hidden_state, expected)
+    assert sum(p.is_splitting for p in compiled.pieces) == 2  # one SDPA call per layer

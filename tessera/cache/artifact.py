@@ -242,9 +242,11 @@ def read_pointer(root: Path, fingerprint: str) -> Path | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         relative = Path(data["entry"])
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except OSError as e:  # unreadable root: creating the entry will say so, once
+        raise WarmStartUnavailable(f"{path} is not readable ({e.strerror})") from e
+    except (ValueError, KeyError, TypeError) as e:
         report_damage(path, f"unreadable ({type(e).__name__})")
         raise WarmStartUnavailable(f"{path} is unreadable") from e
     if relative.is_absolute() or ".." in relative.parts:

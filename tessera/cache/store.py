@@ -23,6 +23,7 @@ import filelock
 import platformdirs
 
 from tessera.cache import index as index_
+from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, compute_key
 from tessera.errors import CacheWarning
@@ -71,14 +72,20 @@ def sha256_file(path: Path) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write ``data`` to ``path`` so readers see the old file or the new one, never a part.
+
+    The temp file (``.<name>.<pid>.<random>.tmp``, mode 0600 or the shared mode) is removed on
+    any failure; ``tools.stray_temp_files`` finds those of killed processes.
+    """
+    trust.make_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if trust.shared_group():
+            os.chmod(tmp, trust.file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -134,11 +141,25 @@ class CacheEntry:
         factors: Mapping[str, Any],
         graph_dump: str,
         sources: Sequence[SourceFile],
-    ) -> CacheEntry:
-        """Open (creating if needed) the entry for ``factors``; damaged side files are rewritten."""
+    ) -> CacheEntry | None:
+        """Open (creating if needed) the entry for ``factors``; damaged side files are rewritten.
+
+        None, after one CacheWarning, when the entry cannot be used: not writable (permissions,
+        read-only, disk full, a file in the way) or not trusted (see trust.py).
+        """
         key = compute_key(factors)
-        entry = cls(entry_path(root, key, prefix), factors, key)
-        entry._open(graph_dump, sources)
+        path = entry_path(root, key, prefix)
+        try:
+            trust.make_dir(path / ARTIFACTS)
+            untrusted = trust.chain_problem(root, path)
+            if untrusted is not None:
+                trust.warn_once(untrusted[0], untrusted[1], "not using it; compiling without the cache")
+                return None
+            entry = cls(path, factors, key)
+            entry._open(graph_dump, sources)
+        except OSError as e:
+            trust.warn_once(Path(e.filename or path), _cause(e), "compiling without the cache")
+            return None
         return entry
 
     @classmethod
@@ -149,6 +170,10 @@ class CacheEntry:
         """
         if not path.is_dir():
             raise EntryUnusable("it was removed")  # pruned or cleared: a plain miss
+        untrusted = trust.chain_problem(path.parents[2], path) or _file_problem(path / MODEL)
+        if untrusted is not None:
+            trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
+            raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
         try:
             factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -176,7 +201,7 @@ class CacheEntry:
     # -- opening -------------------------------------------------------------------------------
     def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
         self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
-        (self.path / ARTIFACTS).mkdir(parents=True, exist_ok=True)
+        trust.make_dir(self.path / ARTIFACTS)
         self._mark_in_use()
         self._read_or_reset_index()
         factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
@@ -233,17 +258,40 @@ class CacheEntry:
             self.index.files[name] = digest
 
     def _mark_in_use(self) -> None:
+        """Hold a shared lock on the entry's marker for the life of the process (prune skips it).
+
+        A read-only cache (a mounted image) cannot be marked, and needs no protection from prune.
+        """
         marker = self.path / INUSE
         try:
             import fcntl
         except ImportError:  # not POSIX: prune falls back to last-used times only
-            marker.touch()
+            with contextlib.suppress(OSError):
+                marker.touch()
             return
-        f = marker.open("a+b")
+        try:
+            f = marker.open("a+b")
+        except OSError as e:
+            # A read-only cache (a baked image) still loads; nothing new will be saved to it.
+            trust.warn_once(self.path, _cause(e), "loading from it read-only; nothing new is saved there")
+            return
         with contextlib.suppress(OSError):
             fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-        os.utime(marker)
+            os.utime(marker)
         _HELD_OPEN.append(f)
+
+    @contextlib.contextmanager
+    def _locked_if_possible(self) -> Iterator[None]:
+        """The entry's lock, or none on a read-only cache (where nobody else can write either)."""
+        try:
+            self._lock.acquire()
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     @contextlib.contextmanager
     def _updating_index(self) -> Iterator[None]:
@@ -266,10 +314,15 @@ class CacheEntry:
         """
         if written:
             source = self.path / written
-            sha = sha256_file(source)
-            relative = f"{ARTIFACTS}/{sha[:32]}.bin"
-            size = source.stat().st_size
-            os.replace(source, self.path / relative)
+            try:
+                sha = sha256_file(source)
+                relative = f"{ARTIFACTS}/{sha[:32]}.bin"
+                size = source.stat().st_size
+                os.replace(source, self.path / relative)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    source.unlink()  # never leave a scratch file behind
+                raise
             record = ArtifactRecord(relative, sha, size, content)
         else:
             record = ArtifactRecord("", "", 0, content)
@@ -313,7 +366,7 @@ class CacheEntry:
             if attempt == 0:
                 # Another process may have replaced the artifact (and the index) since we read
                 # the index: look again under the lock before calling it damage.
-                with self._lock:
+                with self._locked_if_possible():
                     self._load_index()
         problem = "missing" if data is None else "content does not match its key"
         self.report_damage(MODEL, problem)
@@ -322,6 +375,20 @@ class CacheEntry:
     def report_damage(self, name: str, problem: str) -> None:
         """Warn once per file per process; the caller rebuilds what the file held."""
         report_damage(self.path / name, problem)
+
+
+def _cause(error: OSError) -> str:
+    return error.strerror or type(error).__name__
+
+
+def _file_problem(path: Path) -> tuple[Path, str] | None:
+    found = trust.problem(path)
+    return None if found is None else (path, found)
+
+
+def warn_write_failed(path: Path, error: OSError) -> None:
+    """One CacheWarning per entry and cause: the model keeps running on what is in memory."""
+    trust.warn_once(path, _cause(error), "the model runs without that part of the cache")
 
 
 class EntryUnusable(Exception):

@@ -6,13 +6,20 @@ Pure functions returning records or lines; ``tessera cache ...`` (the CLI) print
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.cache import trust
+from tessera.cache.artifact import WARM_DIR
 from tessera.cache.index import FileRecord
 from tessera.cache.store import FACTORS, INDEX, INUSE, check_file, exclusive_if_unused, read_index
+
+# Temp files a writer leaves if it is killed: atomic_write's ".<name>.<pid>.<random>.tmp" and the
+# compiler's scratch ".piece<n>_<size>_<compiler>.<pid>.<hex8>" before it is moved into place.
+_TEMP = re.compile(r"^\..*\.(\d+)\.[^.]+\.tmp$|^\.piece.*\.(\d+)\.[0-9a-f]{8}$")
 
 
 @dataclass(frozen=True)
@@ -73,9 +80,14 @@ def entry_info(path: Path) -> EntryInfo:
 
 
 def verify(root: Path) -> list[str]:
-    """Problems found (empty: every index parses and every file matches its checksum)."""
+    """Problems found (empty: every entry is trusted, its index parses and every file matches
+    its checksum, the whole-model artifact included)."""
     problems = []
     for path in find_entries(root):
+        untrusted = trust.chain_problem(root, path)
+        if untrusted is not None:
+            problems.append(f"{untrusted[0]}: not trusted, {untrusted[1]} (entry {path})")
+            continue
         try:
             index = read_index(path)
         except FileNotFoundError:
@@ -99,11 +111,13 @@ def verify(root: Path) -> list[str]:
 
 
 def clear(root: Path) -> int:
-    """Remove every entry not in use by a running process; return how many were removed."""
+    """Remove every entry not in use by a running process, the pointers to removed entries and
+    stray temp files; return how many entries were removed."""
     removed = 0
     for path in find_entries(root):
         if _remove_if_unused(path):
             removed += 1
+    _tidy(root)
     return removed
 
 
@@ -121,6 +135,55 @@ def prune(root: Path, max_bytes: int) -> list[Path]:
         if _remove_if_unused(info.path):
             total -= info.size_bytes
             removed.append(info.path)
+    _tidy(root)
+    return removed
+
+
+def _tidy(root: Path) -> None:
+    for stray in stray_temp_files(root):
+        stray.unlink(missing_ok=True)
+    remove_dangling_pointers(root)
+
+
+def stray_temp_files(root: Path) -> list[Path]:
+    """Temp files whose writer is gone (its pid runs no more, or was reused after the write)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.rglob(".*"):
+        match = _TEMP.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        pid = int(match.group(1) or match.group(2))
+        if not _writer_alive(pid, path):
+            found.append(path)
+    return sorted(found)
+
+
+def _writer_alive(pid: int, path: Path) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    try:  # Linux: a pid reused after the file was written is another process
+        return os.stat(f"/proc/{pid}").st_mtime <= path.stat().st_mtime
+    except OSError:
+        return True
+
+
+def remove_dangling_pointers(root: Path) -> list[Path]:
+    """Remove ``warm/`` pointers to entries that no longer exist (or that cannot be read)."""
+    removed = []
+    for pointer in sorted((root / WARM_DIR).glob("*.json")):
+        try:
+            target = root / json.loads(pointer.read_text(encoding="utf-8"))["entry"]
+        except (OSError, ValueError, KeyError, TypeError):
+            target = None
+        if target is None or not target.is_dir():
+            pointer.unlink(missing_ok=True)
+            removed.append(pointer)
     return removed
 
 

@@ -94,10 +94,16 @@ def cache_command(args: argparse.Namespace) -> int:
         return 0
     if action == "verify":
         problems = cachetools.verify(root)
+        strays = cachetools.stray_temp_files(root)
         entries = len(cachetools.find_entries(root))
         for problem in problems:
-            print(f"DAMAGED {problem}")
-        print(f"{entries} entr{'y' if entries == 1 else 'ies'} checked, {len(problems)} problem(s)")
+            print(f"{'UNTRUSTED' if ': not trusted' in problem else 'DAMAGED'} {problem}")
+        for stray in strays:
+            print(f"STRAY {stray} (a temp file of a process that is gone; clear or prune removes it)")
+        print(
+            f"{entries} entr{'y' if entries == 1 else 'ies'} checked, {len(problems)} problem(s), "
+            f"{len(strays)} stray temp file(s)"
+        )
         return 1 if problems else 0
     if action == "clear":
         print(f"removed {cachetools.clear(root)} entries from {root}")
