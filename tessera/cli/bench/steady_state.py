@@ -54,7 +54,8 @@ def inductor_latency(repeats: int) -> dict[str, Any]:
 
 
 def dispatch_overhead(repeats: int) -> dict[str, Any]:
-    """12 layers, tiny widths: tessera with the eager compiler against the eager model."""
+    """12 layers, tiny widths: tessera with the eager compiler against the eager model, with the
+    per-call input check on (the default) and off (``check_inputs=False``)."""
     sizes: dict[str, Any] = {
         "num_layers": 12,
         "hidden_size": 32,
@@ -63,23 +64,48 @@ def dispatch_overhead(repeats: int) -> dict[str, Any]:
         "num_kv_heads": 1,
     }
     model = toy_llama.build(**sizes)
-    ours = tessera.compile(model, backend="eager", disable_cache=True)
+    checked = tessera.compile(model, backend="eager", disable_cache=True)
+    unchecked = tessera.compile(model, backend="eager", disable_cache=True, check_inputs=False)
     with torch.no_grad():
-        ours(*toy_llama.example_inputs(8))
+        checked(*toy_llama.example_inputs(8))
+        unchecked(*toy_llama.example_inputs(8))
     rows = []
     for n in SIZES:
         args = toy_llama.example_inputs(n)
         eager_s = per_call_seconds(model, *args, repeats=repeats, inner=50)
-        ours_s = per_call_seconds(ours, *args, repeats=repeats, inner=50)
+        checked_s = per_call_seconds(checked, *args, repeats=repeats, inner=50)
+        unchecked_s = per_call_seconds(unchecked, *args, repeats=repeats, inner=50)
         rows.append(
             {
                 "tokens": n,
                 "eager_ms": eager_s * 1e3,
-                "tessera_eager_ms": ours_s * 1e3,
-                "tessera_over_eager": ours_s / eager_s,
+                "tessera_eager_ms": checked_s * 1e3,
+                "tessera_eager_unchecked_ms": unchecked_s * 1e3,
+                "tessera_over_eager": checked_s / eager_s,
+                "check_cost_us": (checked_s - unchecked_s) * 1e6,
             }
         )
-    return {"model": sizes, "compiler": "eager", "rows": rows}
+    return {
+        "model": sizes,
+        "compiler": "eager",
+        "check_assumptions": len(checked.call_spec.assumptions) if checked.call_spec else 0,
+        "check_alone_us": _check_alone_us(checked),
+        "rows": rows,
+    }
+
+
+def _check_alone_us(compiled: Any) -> float:
+    """The call check on its own: the same generated check in front of a call that does nothing."""
+    import timeit
+
+    from tessera import guards
+
+    assert compiled.call_spec is not None, "compile first"
+    check = guards.make_checked_call(compiled.call_spec, lambda *a, **k: None, lambda a, k: None)
+    args = toy_llama.example_inputs(16)
+    number = 20000
+    best = min(timeit.repeat(lambda: check(*args), number=number, repeat=5))
+    return best / number * 1e6
 
 
 def main(quick: bool = False) -> int:
