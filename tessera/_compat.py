@@ -60,6 +60,12 @@ def single_trace_settings(dynamic_state: tuple[str, ...] = ()) -> Iterator[None]
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
+        # torch 2.11 takes nn.TransformerEncoderLayer's fused eval fast path while Dynamo traces,
+        # and that kernel has no fake implementation (2.13 skips it when compiling). The traced
+        # graph needs the plain path only; the public switch is restored after the trace.
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        stack.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
         if dynamic_state:
             names = ",".join(re.escape(dynamo_source_name(expr)) for expr in dynamic_state)
             stack.enter_context(torch.compiler.config.patch(dynamic_sources=names))  # type: ignore[attr-defined]
