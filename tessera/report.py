@@ -1,0 +1,136 @@
+"""The compile record of one model: what was compiled or loaded, from where, and what it cost.
+
+``compiled.report`` returns a ``CompileReport`` (frozen): the same data ``on_compiled`` receives,
+``tessera report`` renders and a service can export (``as_dict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.config import CompileConfig, size_label
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArtifactReport:
+    """One artifact of one piece: how it was obtained and how many calls it has served."""
+
+    piece: str
+    size: str  # "general", "size 16", "range [9,32]"
+    source: str  # "compiled", "loaded" (from the cache), "shared" (an identical piece's)
+    seconds: float
+    file: str  # relative to the cache entry; "" when nothing is on disk
+    bytes: int
+    served: int = 0
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """Cold or warm, seconds per phase, every artifact, this model's counters, the cache entry."""
+
+    model: str
+    kind: str  # "cold" (something was compiled or traced) or "warm" (loaded, no trace)
+    mode: str
+    backend: str
+    phases: tuple[tuple[str, float], ...]  # ("trace", s), ("compile", s), ("first_call", s), ...
+    artifacts: tuple[ArtifactReport, ...]
+    pieces: int
+    compiled_pieces: int
+    counters: tuple[tuple[str, int], ...]  # this model's share of tessera.counters
+    cache_entry: str | None
+    whole_model_artifact: str  # "loaded", "written", or why neither
+    total_seconds: float
+
+    def phase(self, name: str) -> float:
+        """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
+        return dict(self.phases).get(name, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: what ``tessera report --json`` prints."""
+        data = dataclasses.asdict(self)
+        data["phases"] = dict(self.phases)
+        data["counters"] = dict(self.counters)
+        return data
+
+    def summary(self) -> str:
+        """One line: the INFO log line of the first call."""
+        compiled = sum(a.source == "compiled" for a in self.artifacts)
+        loaded = sum(a.source == "loaded" for a in self.artifacts)
+        shared = sum(a.source == "shared" for a in self.artifacts)
+        return (
+            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s "
+            f"({self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
+            f"artifacts: {compiled} compiled, {shared} shared, {loaded} loaded; "
+            f"whole-model artifact {self.whole_model_artifact}; cache {self.cache_entry or 'disabled'})"
+        )
+
+
+def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    """The counters that changed between two snapshots, and by how much."""
+    changed = ((name, after[name] - before.get(name, 0)) for name in after)
+    return tuple((name, delta) for name, delta in changed if delta)
+
+
+def build_report(
+    model: str,
+    config: CompileConfig,
+    backend: Any,
+    phases: dict[str, float],
+    counters: tuple[tuple[str, int], ...],
+    total_seconds: float,
+) -> CompileReport:
+    """The record of a model's first call. ``backend``: its ``PiecewiseBackend`` (None in modes
+    without one); ``phases``: what the model measured itself (trace, first call, warm phases)."""
+    artifacts: list[ArtifactReport] = []
+    if backend is not None:
+        phases.update({k: v for k, v in backend.phases.items() if k not in phases})
+        for piece, size, outcome in backend.outcomes:
+            runner = backend.runners.get(piece)
+            served = dict(runner.served()) if runner is not None else {}
+            record = outcome.record
+            artifacts.append(
+                ArtifactReport(
+                    piece=piece,
+                    size=size_label(size),
+                    source=outcome.source,
+                    seconds=outcome.seconds,
+                    file=record.file if record is not None else "",
+                    bytes=record.size if record is not None else 0,
+                    served=served.get(size_label(size), 0),
+                )
+            )
+    records = backend.pieces() if backend is not None else ()
+    store = backend.store if backend is not None else None
+    traced = any(name == "graphs_traced" and n for name, n in counters)
+    compiled = any(a.source == "compiled" for a in artifacts)
+    return CompileReport(
+        model=model,
+        kind="cold" if traced or compiled or backend is None else "warm",
+        mode=config.mode,
+        backend=config.backend,
+        phases=tuple(phases.items()),
+        artifacts=tuple(artifacts),
+        pieces=len(records),
+        compiled_pieces=sum(not r.is_splitting for r in records),
+        counters=counters,
+        cache_entry=str(store.path) if store is not None else None,
+        whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
+        total_seconds=total_seconds,
+    )
+
+
+def save_report(entry: Path, kind: str, as_json: str) -> None:
+    """Keep the record in the cache entry for ``tessera report`` (best effort: never fails)."""
+    from tessera.cache.store import atomic_write
+
+    try:
+        atomic_write(entry / f"report-{kind}.json", as_json.encode())
+    except OSError as e:  # a read-only cache: the record stays in memory
+        log.debug("compile record not saved in %s: %s", entry, e)
