@@ -161,12 +161,31 @@ def check_passes(value: Any) -> tuple[Any, ...]:
     return tuple(value)
 
 
-def check_cache_dir(value: Any) -> str | None:
+def check_cache_dir(value: Any, field: str = "cache_dir") -> str | None:
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise ConfigError(f"cache_dir={value!r} must be a directory path or None")
+        raise ConfigError(f"{field}={value!r} must be a directory path or None")
     return os.fspath(value)
+
+
+def check_remote(value: Any) -> str | None:
+    """A Redis URL (``redis://host:port/db``, ``rediss://``, ``unix://``) or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"cache_remote={value!r} must be a Redis URL such as 'redis://127.0.0.1:6379/0'")
+    return value
+
+
+def env_seconds(name: str, default: float) -> float:
+    """``TESSERA_<name>`` as a number of seconds > 0, or ``default``."""
+
+    def positive(seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError("expected a number of seconds > 0")
+
+    return float(env_value(name, default, float, positive))
 
 
 def check_dynamic_dims(value: Any) -> None:

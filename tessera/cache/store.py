@@ -306,6 +306,11 @@ class CacheEntry:
         atomic_write(self.path / INDEX, self.index.format().encode())
 
     # -- artifacts -----------------------------------------------------------------------------
+    def reload(self) -> None:
+        """Read the index again (other processes, or a fetch from the remote tier, added to it)."""
+        with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
+            self.index = self.index.merged_with(read_index(self.path))
+
     def record_artifact(self, key: IndexKey, written: str, content: str) -> ArtifactRecord:
         """Move a freshly written artifact to its content address and record it in the index.
 

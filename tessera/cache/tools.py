@@ -101,6 +101,9 @@ def verify(root: Path) -> list[str]:
         except (OSError, ValueError) as e:
             problems.append(f"{path / FACTORS}: {type(e).__name__}")
         records: list[tuple[str, FileRecord]] = [(f"entry {k}", r) for k, r in index.entries.items()]
+        for name, sha in index.files.items():
+            size = (path / name).stat().st_size if (path / name).exists() else -1
+            records.append(("side file", FileRecord(name, sha, size)))
         if index.model is not None:
             records.append(("whole-model artifact", index.model))
         for what, record in records:

@@ -1,0 +1,93 @@
+"""Bake a cache into an image: ``tessera cache export FILE.tar`` and ``import FILE.tar``.
+
+An archive holds entries (optionally only some prefixes or keys) and the warm pointers that lead
+to them. Importing checks every member before anything lands: regular files and directories
+only, no path outside the root, every entry's index parsed and every file's checksum verified.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+
+from tessera.cache import trust
+from tessera.cache.artifact import WARM_DIR
+from tessera.cache.store import atomic_write
+from tessera.cache.tools import find_entries, verify
+from tessera.errors import CacheError
+
+_SKIP = (".inuse", ".lock")
+
+
+def export(root: Path, archive: Path, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
+    """Write the chosen entries (all by default) and their pointers to ``archive``; how many."""
+    entries = [
+        e
+        for e in find_entries(root)
+        if (not prefixes or e.name in prefixes)
+        and (not keys or any(e.parents[1].name.startswith(k) for k in keys))
+    ]
+    chosen = {e.relative_to(root).as_posix() for e in entries}
+    with tarfile.open(archive, "w") as tar:
+        for entry in entries:
+            for path in sorted(entry.rglob("*")):
+                if path.is_file() and not path.name.endswith(".tmp") and path.name not in _SKIP:
+                    tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False)
+        for pointer in sorted((root / WARM_DIR).glob("*.json")):
+            try:
+                target = json.loads(pointer.read_text(encoding="utf-8"))["entry"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if target in chosen:
+                tar.add(pointer, arcname=pointer.relative_to(root).as_posix())
+    return len(entries)
+
+
+def import_(root: Path, archive: Path) -> int:
+    """Bring an archive's entries into ``root``; CacheError (nothing imported) if any member is
+    unsafe or any entry does not verify. Entries already present are kept as they are."""
+    with tarfile.open(archive, "r") as tar:
+        members = tar.getmembers()
+        for member in members:
+            _check_member(member)
+        trust.make_dir(root)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as scratch:
+            staging = Path(scratch)
+            for member in members:
+                if member.isdir():
+                    continue
+                source = tar.extractfile(member)
+                assert source is not None, f"{member.name} is a regular file"
+                target = staging / member.name
+                trust.make_dir(target.parent)
+                with io.BytesIO(source.read()) as data:
+                    atomic_write(target, data.getvalue())
+            problems = verify(staging)
+            if problems:
+                raise CacheError(f"{archive}: {len(problems)} problem(s), nothing imported: {problems[0]}")
+            imported = 0
+            for entry in find_entries(staging):
+                destination = root / entry.relative_to(staging)
+                if destination.exists():
+                    continue
+                trust.make_dir(destination.parent)
+                shutil.move(str(entry), str(destination))
+                imported += 1
+            for pointer in sorted((staging / WARM_DIR).glob("*.json")):
+                destination = root / WARM_DIR / pointer.name
+                if not destination.exists():
+                    atomic_write(destination, pointer.read_bytes())
+    return imported
+
+
+def _check_member(member: tarfile.TarInfo) -> None:
+    path = PurePosixPath(member.name)
+    if path.is_absolute() or ".." in path.parts or "\\" in member.name:
+        raise CacheError(f"archive member {member.name!r} points outside the cache root; refused")
+    if not (member.isfile() or member.isdir()):
+        raise CacheError(f"archive member {member.name!r} is not a regular file; refused")

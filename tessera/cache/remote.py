@@ -1,0 +1,328 @@
+"""The remote tier: a store shared by a fleet (Redis), behind each process's local cache.
+
+On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
+local cache; after a compile, what was made is published. Files are stored by content, so
+replicas share identical pieces. When several processes miss the same entry at once, one holds a
+lease (renewed while it compiles) and the others wait for its manifest; a compiler that dies lets
+its lease expire and a waiter takes over. With ``TESSERA_CACHE_SIGNING_KEY`` set, manifests and
+pointers are signed (HMAC-SHA256) and nothing unsigned or wrongly signed is used. Every failure of
+the store (unreachable, slow, restarted, evicting) is one warning; the local cache carries on.
+
+The store is behind ``BlobStore``: five operations another store (an object store) can provide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+from tessera.cache import trust
+from tessera.cache.index import parse
+from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
+from tessera.errors import ConfigError
+from tessera.validation import env_seconds
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "tessera:v1:"
+FORMAT = 1
+
+
+class BlobStore(Protocol):
+    """The few operations the remote tier needs from a store."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
+
+    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
+
+    def delete_if(self, key: str, value: bytes) -> None: ...
+
+
+class RedisStore:
+    """``BlobStore`` on Redis (the ``redis`` client, ``pip install tessera[remote]``)."""
+
+    # Compare-and-act on a lease without a race: only its owner may extend or drop it.
+    _OWNED = "if redis.call('get', KEYS[1]) == ARGV[1] then return "
+    _RENEW = _OWNED + "redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    _DELETE = _OWNED + "redis.call('del', KEYS[1]) end return 0"
+
+    def __init__(self, url: str, timeout: float) -> None:
+        try:
+            import redis
+        except ImportError as e:
+            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+    def get(self, key: str) -> bytes | None:
+        value = self._client.get(key)
+        return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
+
+    def put(self, key: str, value: bytes) -> None:
+        self._client.set(key, value)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._client.exists(key))
+
+    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        return bool(self._client.set(key, value, nx=True, px=int(ttl_seconds * 1000)))
+
+    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        return bool(self._client.eval(self._RENEW, 1, key, value, int(ttl_seconds * 1000)))
+
+    def delete_if(self, key: str, value: bytes) -> None:
+        self._client.eval(self._DELETE, 1, key, value)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises when it cannot be reached or answer (redis: RedisError, OSError)."""
+    try:
+        import redis
+
+        return (redis.RedisError, OSError, TimeoutError)
+    except ImportError:
+        return (OSError, TimeoutError)
+
+
+class RemoteTier:
+    """Fetch, publish, sign and lease cache entries in a shared store. Never raises: a failing
+    store is reported once and then left alone for the rest of the process."""
+
+    def __init__(self, url: str, store: BlobStore | None = None) -> None:
+        self.url = url
+        self.lease_seconds = env_seconds("REMOTE_LEASE_SECONDS", 30.0)
+        self.wait_seconds = env_seconds("REMOTE_WAIT_SECONDS", 900.0)
+        timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
+        self.store: BlobStore = store if store is not None else RedisStore(url, timeout)
+        key = os.environ.get("TESSERA_CACHE_SIGNING_KEY")
+        self.signing_key = key.encode() if key else None
+        self.broken = False
+        host = os.uname().nodename if hasattr(os, "uname") else "host"
+        self.owner = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _call(self, what: str, op: Any, *args: Any) -> Any:
+        if self.broken:
+            return None
+        try:
+            return op(*args)
+        except store_errors() as e:
+            self.broken = True
+            why = f"{what} failed ({type(e).__name__}: {e})"
+            trust.warn_once(Path(self.url), why, "using the local cache only")
+            return None
+
+    def _sign(self, body: bytes) -> str | None:
+        return hmac.new(self.signing_key, body, hashlib.sha256).hexdigest() if self.signing_key else None
+
+    def _wrap(self, body: dict[str, Any]) -> bytes:
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"body": text, "sig": self._sign(text.encode())}).encode()
+
+    def _unwrap(self, raw: bytes | None, what: str) -> dict[str, Any] | None:
+        """The body of a signed record, or None (reported once when its signature is wrong)."""
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            text, sig = record["body"], record.get("sig")
+            body = json.loads(text)
+        except (ValueError, KeyError, TypeError):
+            trust.warn_once(Path(self.url), f"{what} is not a tessera record", "ignoring it")
+            return None
+        if self.signing_key is not None:
+            expected = self._sign(text.encode())
+            if not isinstance(sig, str) or not hmac.compare_digest(sig, expected or ""):
+                trust.warn_once(
+                    Path(self.url),
+                    f"{what} is {'unsigned' if sig is None else 'signed with another key'}",
+                    "not using it; compiling instead",
+                )
+                return None
+        return body if isinstance(body, dict) else None
+
+    # -- entries -----------------------------------------------------------------------------------
+    def _entry_key(self, key: str, prefix: str) -> str:
+        return f"{NAMESPACE}entry:{key}:{prefix}"  # no rank: identical graphs share, across ranks too
+
+    def publish(self, entry: Path, key: str, prefix: str) -> bool:
+        """Upload every file the entry's index vouches for (by sha256) and its manifest."""
+        try:
+            index = read_index(entry)
+        except (OSError, ValueError, SyntaxError):
+            return False
+        files = dict(index.files)
+        for record in index.entries.values():
+            if record.file:
+                files[record.file] = record.sha256
+        if index.model is not None:
+            files[MODEL] = index.model.sha256
+        for name, sha in files.items():
+            blob = f"{NAMESPACE}blob:{sha}"
+            if self._call("checking a blob", self.store.exists, blob):
+                continue
+            try:
+                data = (entry / name).read_bytes()
+            except OSError:
+                return False
+            if hashlib.sha256(data).hexdigest() != sha:
+                return False  # changed under us: never publish what the index does not vouch for
+            self._call("uploading a blob", self.store.put, blob, data)
+        manifest = {"format": FORMAT, "key": key, "prefix": prefix, "files": files, "index": index.format()}
+        self._call("publishing an entry", self.store.put, self._entry_key(key, prefix), self._wrap(manifest))
+        return not self.broken
+
+    def fetch(self, entry: Path, key: str, prefix: str) -> bool:
+        """Download an entry into the local cache, every file checked; False if it is not there."""
+        raw = self._call("fetching an entry", self.store.get, self._entry_key(key, prefix))
+        manifest = self._unwrap(raw, f"entry {key[:10]}/{prefix}")
+        if manifest is None or manifest.get("key") != key or not isinstance(manifest.get("files"), dict):
+            return False
+        try:
+            index = parse(str(manifest["index"]))
+        except (ValueError, SyntaxError):
+            return False
+        fetched: dict[str, bytes] = {}
+        for name, sha in manifest["files"].items():
+            path = entry / name
+            if path.exists() and sha256_file(path) == sha:
+                continue
+            data = self._call("fetching a blob", self.store.get, f"{NAMESPACE}blob:{sha}")
+            if data is None or hashlib.sha256(data).hexdigest() != sha:
+                log.info("remote entry %s/%s is incomplete (%s): compiling", key[:10], prefix, name)
+                return False  # evicted, or not what the signed manifest vouches for
+            fetched[name] = data
+        try:
+            for name, data in fetched.items():
+                atomic_write(entry / name, data)
+            self._merge_index(entry, index.format())
+        except OSError as e:
+            trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
+            return False
+        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.url, len(fetched))
+        return True
+
+    @staticmethod
+    def _merge_index(entry: Path, remote_text: str) -> None:
+        remote = parse(remote_text)
+        try:
+            local = read_index(entry)
+        except (OSError, ValueError, SyntaxError):
+            local = None
+        merged = remote if local is None else local.merged_with(remote)
+        atomic_write(entry / INDEX, merged.format().encode())
+
+    # -- pointers (model fingerprint -> entry) -----------------------------------------------------
+    def publish_pointer(self, fingerprint: str, relative: str, key: str, prefix: str) -> None:
+        body = {"entry": relative, "key": key, "prefix": prefix}
+        self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
+
+    def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
+        raw = self._call("fetching a pointer", self.store.get, f"{NAMESPACE}warm:{fingerprint}")
+        body = self._unwrap(raw, f"pointer {fingerprint[:12]}")
+        if body is None or not all(isinstance(body.get(k), str) for k in ("entry", "key", "prefix")):
+            return None
+        relative = Path(body["entry"])
+        if relative.is_absolute() or ".." in relative.parts:
+            return None
+        return body
+
+    # -- compiling once across the fleet -----------------------------------------------------------
+    @contextmanager
+    def compile_turn(self, entry: Path, key: str, prefix: str) -> Iterator[bool]:
+        """Yields True when this process should compile the entry (it holds the lease, renewed
+        until the block ends), False when another process published it while we waited (it is
+        now in the local cache). A waiter whose compiler died, or that waited too long, compiles.
+        """
+        lease_key = f"{NAMESPACE}lease:{key}:{prefix}"
+        token = self.owner.encode()
+        deadline = time.monotonic() + self.wait_seconds
+        while True:
+            acquired = self._call(
+                "taking a lease", self.store.put_if_absent, lease_key, token, self.lease_seconds
+            )
+            if acquired and self.fetch(entry, key, prefix):
+                # The previous holder published and let go between our last look and now.
+                self._call("releasing a lease", self.store.delete_if, lease_key, token)
+                yield False
+                return
+            if acquired or self.broken:
+                break
+            if self.fetch(entry, key, prefix):
+                yield False
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "waited %.0fs for another process to compile %s/%s; compiling here",
+                    self.wait_seconds,
+                    key[:10],
+                    prefix,
+                )
+                break
+            time.sleep(0.2)
+        stop = threading.Event()
+        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop), daemon=True)
+        if acquired:
+            renewer.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            if acquired:
+                renewer.join()
+                self._call("releasing a lease", self.store.delete_if, lease_key, token)
+
+    def _renew(self, lease_key: str, token: bytes, stop: threading.Event) -> None:
+        while not stop.wait(self.lease_seconds / 3):
+            self._call("renewing a lease", self.store.renew, lease_key, token, self.lease_seconds)
+
+
+def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
+    """Before a warm start: bring the fleet's entry for ``fingerprint`` into the local cache."""
+    from tessera.cache import artifact
+
+    if artifact.pointer_path(root, fingerprint).exists():
+        return
+    body = remote.fetch_pointer(fingerprint)
+    if body is None:
+        return
+    entry = root / body["entry"]
+    try:
+        trust.make_dir(entry)
+    except OSError as e:
+        trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
+        return
+    if remote.fetch(entry, body["key"], body["prefix"]):
+        try:
+            artifact.write_pointer(root, fingerprint, entry)
+        except OSError as e:
+            trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
+
+
+def publish(remote: RemoteTier, root: Path, fingerprint: str, store: Any) -> None:
+    """After a trace: publish the entry (its whole-model artifact included) and its pointer."""
+    if remote.publish(store.path, store.key, store.path.name):
+        relative = store.path.relative_to(root).as_posix()
+        remote.publish_pointer(fingerprint, relative, store.key, store.path.name)
+
+
+def remote_tier(url: str | None) -> RemoteTier | None:
+    """The remote tier a config names (``cache_remote`` / ``TESSERA_CACHE_REMOTE``), or None."""
+    if not url:
+        return None
+    return RemoteTier(url)

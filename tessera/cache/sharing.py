@@ -1,0 +1,106 @@
+"""Compiling an entry once: across the ranks of one machine, and across a fleet.
+
+Ranks whose traced graphs are identical get entries with the same key (under their own
+``rank_<r>`` directories). One compiles while holding a file lock next to them; the others then
+take its artifacts from the sibling entry instead of compiling. Across machines the remote tier
+does the same with a lease in the shared store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import filelock
+
+from tessera.cache.index import IndexKey
+from tessera.cache.remote import RemoteTier
+from tessera.cache.store import FACTORS, CacheEntry, read_index, sha256_file
+from tessera.validation import env_seconds
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def compile_turn(store: CacheEntry, needed: set[IndexKey], remote: RemoteTier | None) -> Iterator[None]:
+    """While the block runs, this process is the one compiling ``store``'s missing artifacts.
+
+    Before it starts, whatever a sibling rank or the fleet already compiled is brought into the
+    entry (and its index reloaded), so the block only compiles what nobody has.
+    """
+    wait = env_seconds("REMOTE_WAIT_SECONDS", 900.0)
+    lock = filelock.FileLock(str(store.path.parents[1] / f".compile-{store.path.name}.lock"))
+    try:
+        lock.acquire(timeout=wait)
+        locked = True
+    except (filelock.Timeout, OSError) as e:  # read-only, or a sibling stuck: compile anyway
+        log.info("compiling %s without waiting for sibling ranks (%s)", store.path, e)
+        locked = False
+    try:
+        if _missing(store, needed):
+            _take_from_siblings(store)
+        if remote is not None and _missing(store, needed):
+            if remote.fetch(store.path, store.key, store.path.name):
+                store.reload()
+            if _missing(store, needed):
+                with remote.compile_turn(store.path, store.key, store.path.name) as ours:
+                    store.reload()
+                    yield
+                    if ours:
+                        remote.publish(store.path, store.key, store.path.name)
+                return
+        yield
+    finally:
+        if locked:
+            lock.release()
+
+
+def _missing(store: CacheEntry, needed: set[IndexKey]) -> bool:
+    return not needed <= set(store.index.entries)
+
+
+def _take_from_siblings(store: CacheEntry) -> None:
+    """Record in ``store`` the artifacts a sibling rank's entry of the same key holds."""
+    taken = 0
+    for sibling in sorted(store.path.parents[1].glob(f"rank_*/{store.path.name}")):
+        if sibling == store.path or not _same_key(sibling, store.path):
+            continue
+        try:
+            index = read_index(sibling)
+        except (OSError, ValueError, SyntaxError):
+            continue
+        for key, record in index.entries.items():
+            if key in store.index.entries:
+                continue
+            if record.file:
+                source, target = sibling / record.file, store.path / record.file
+                if not target.exists():
+                    if sha256_file(source) != record.sha256:
+                        continue
+                    _link_or_copy(source, target)
+            store.link_artifact(key, record)
+            taken += 1
+    if taken:
+        log.info("took %d artifact(s) for %s from a sibling rank's entry", taken, store.path)
+
+
+def _same_key(a: Path, b: Path) -> bool:
+    try:
+        return sha256_file(a / FACTORS) == sha256_file(b / FACTORS)
+    except OSError:
+        return False
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    (target.parent).mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.link.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
