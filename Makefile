@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the local CPU build satisfies it; unpinned would pull CUDA wheels.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.11,<2.14"
-	$(PY) -m pip install -q -e ".[dev,hf]"
+	$(PY) -m pip install -q -e ".[dev,hf,debug,remote]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -18,7 +18,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tessera demo
 
+# The Redis tests start a real redis-server (on a loopback port): install it when missing.
 test: $(STAMP)
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

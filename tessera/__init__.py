@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CacheError": "tessera.errors",
     "CompileConfig": "tessera.config",
+    "CompileReport": "tessera.report",
     "CompiledModel": "tessera.api",
     "CompilerError": "tessera.errors",
     "ConfigError": "tessera.errors",
@@ -29,6 +30,7 @@ _EXPORTS = {
 __all__ = [
     "CacheError",
     "CompileConfig",
+    "CompileReport",
     "CompiledModel",
     "CompilerError",
     "ConfigError",
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from tessera.piece import PieceRecord
+    from tessera.report import CompileReport
 
 
 def __getattr__(name: str) -> Any:

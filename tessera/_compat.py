@@ -50,7 +50,9 @@ def reset_code(code: types.CodeType) -> None:
 
 
 @contextlib.contextmanager
-def single_trace_settings(dynamic_state: tuple[str, ...] = ()) -> Iterator[None]:
+def single_trace_settings(
+    dynamic_state: tuple[str, ...] = (), size_oblivious: bool = False
+) -> Iterator[None]:
     """Dynamo settings for the one guard-free trace tessera makes of a function.
 
     A full recompile cache of earlier entries of this code must never refuse our trace
@@ -66,10 +68,22 @@ def single_trace_settings(dynamic_state: tuple[str, ...] = ()) -> Iterator[None]
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
         stack.callback(torch.backends.mha.set_fastpath_enabled, fastpath)
+        if size_oblivious:
+            # Backed sizes reasoned about as if >= 2 (torch.fx.experimental._config, 2.11-2.13).
+            from torch.fx.experimental import _config as fx_config
+
+            stack.enter_context(fx_config.patch(backed_size_oblivious=True))  # type: ignore[attr-defined]
         if dynamic_state:
             names = ",".join(re.escape(dynamo_source_name(expr)) for expr in dynamic_state)
             stack.enter_context(torch.compiler.config.patch(dynamic_sources=names))  # type: ignore[attr-defined]
         yield
+
+
+def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
+    """``torch._dynamo.decorators.mark_unbacked`` (torch 2.11-2.13)."""
+    from torch._dynamo.decorators import mark_unbacked as mark
+
+    mark(tensor, dim)
 
 
 def supports_dynamic_state() -> bool:
@@ -141,6 +155,11 @@ def overload_of(op: torch._ops.OpOverload) -> str:
 
 def op_overload_name(op: torch._ops.OpOverload) -> str:
     return f"{op_schema_name(op)}.{overload_of(op)}"
+
+
+def op_is_mutable(op: torch._ops.OpOverload) -> bool:
+    """Whether the op writes any argument (``OpOverload._schema.is_mutable``, torch 2.11-2.13)."""
+    return bool(op._schema.is_mutable)
 
 
 def packet_name(op: torch._ops.OpOverloadPacket) -> str:
@@ -437,3 +456,20 @@ def forward_hooks(
     pre_with_kwargs = set(module._forward_pre_hooks_with_kwargs)
     with_kwargs = set(module._forward_hooks_with_kwargs) | set(nn_module._global_forward_hooks_with_kwargs)
     return pre_hooks, hooks, pre_with_kwargs, with_kwargs
+
+
+# -- torch's structured trace (TORCH_TRACE, read by tlparse) ---------------------------------------
+def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = True) -> None:
+    """An artifact in torch's structured trace (``torch._logging.trace_structured``, 2.11-2.13).
+
+    Costs a handler check when ``TORCH_TRACE`` is not set. ``in_compile``: emitted inside
+    Dynamo's compile of the model (attributed to its compile id).
+    """
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=payload,
+        expect_trace_id=in_compile,
+    )

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,13 @@ from tessera import _compat, counters, guards, hooks, validation
 from tessera.backend import PiecewiseBackend
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
+from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
-from tessera.compilers import make_compiler, warm_hash
+from tessera.compilers import make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 from tessera.piece import PieceRecord
+from tessera.report import CompileReport, build_report, counter_delta, save_report
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
@@ -41,6 +45,10 @@ from tessera.wrapper import (
 
 log = logging.getLogger(__name__)
 
+# ``tessera report SCRIPT`` / ``tessera bisect SCRIPT`` set this to a list: every compiled model
+# is appended, and keeps its first call's arguments (first_call) for bisection.
+RECORDER: list[CompiledModel] | None = None
+
 # Argument state (a StaticCache's length) may turn symbolic this many times before calls whose
 # state differs are refused: each re-trace costs a compile.
 MAX_STATE_RETRACES = 2
@@ -52,13 +60,17 @@ def compile(
     *,
     dynamic_dims: DynamicDims | None = None,
     prefix: str | None = None,
+    on_compiled: Callable[[CompileReport], Any] | None = None,
     **overrides: Any,
 ) -> CompiledModel:
     """Compile ``model`` (an ``nn.Module`` or a function) for fast repeated inference.
 
     Nothing is traced until the first call; keyword ``overrides`` replace ``config`` fields.
+    ``on_compiled(report)`` is called once, when the first call has compiled or loaded everything.
     Every argument is checked here: a bad one is a ``ConfigError`` now, not at the first call.
     """
+    if on_compiled is not None and not callable(on_compiled):
+        raise ConfigError(f"on_compiled={on_compiled!r} must be a callable taking the compile report")
     if config is not None and not isinstance(config, CompileConfig):
         raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
     config = (config or CompileConfig()).replace(**overrides)
@@ -67,9 +79,14 @@ def compile(
     ):
         raise ConfigError(f"prefix={prefix!r} must be a plain directory name such as 'backbone'")
     validation.check_dynamic_dims(dynamic_dims)
+    if config.passes and config.backend == "eager":
+        raise ConfigError(
+            "passes run on Inductor's post-grad graph: use backend='inductor' (the eager compiler "
+            "compiles nothing), or a custom compiler that applies config.passes itself"
+        )
     if config.backend == "inductor" or config.mode == "stock":
         validation.check_inductor_keys(config.inductor_config)
-    compiled = CompiledModel(model, config, dynamic_dims, prefix)
+    compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)
     if dynamic_dims is not None:
         validation.check_dynamic_dim_names(compiled.signature, dynamic_dims)
     return compiled
@@ -84,8 +101,10 @@ class CompiledModel:
         config: CompileConfig,
         dynamic_dims: DynamicDims | None,
         prefix: str | None,
+        on_compiled: Callable[[CompileReport], Any] | None = None,
     ) -> None:
         self.model = model
+        self._on_compiled = on_compiled
         self.config = config
         self.prefix = prefix
         self._func, self._bound_to = split_callable(model)
@@ -104,10 +123,22 @@ class CompiledModel:
         self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
         self.warm_start_refused: str | None = None  # why the whole-model artifact was not used
         self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
+        self._counters_before: dict[str, int] = {}
+        self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
         self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
-        self._context: tuple[Any, Path | None, str, str | None] = (None, None, "model", None)
+        self._context: tuple[Any, Path | None, str, str | None, RemoteTier | None] = (
+            None,
+            None,
+            "model",
+            None,
+            None,
+        )
         self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see guards.py)
         self._state_retraces = 0
+        self._trace_code: types.CodeType | None = None
+        self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
+        if RECORDER is not None:
+            RECORDER.append(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
@@ -136,6 +167,47 @@ class CompiledModel:
         return backend.store.path if backend is not None and backend.store is not None else None
 
     @property
+    def report(self) -> CompileReport | None:
+        """What the first call compiled or loaded, from where, at what cost (None before it)."""
+        if self.first_call_seconds is None:
+            return None
+        return self._make_report()
+
+    def _make_report(self) -> CompileReport:
+        return build_report(
+            self.name,
+            self.config,
+            self._backend,
+            dict(self.startup_phases),
+            self._counters,
+            self.first_call_seconds or 0.0,
+        )
+
+    @property
+    def runners(self) -> dict[str, Any]:
+        """Compiled piece name -> its runner (what the split module calls for it)."""
+        return dict(self._backend.runners) if self._backend is not None else {}
+
+    @property
+    def trace_code(self) -> types.CodeType | None:
+        """Dynamo's transformed code of the traced frame (None after a warm start)."""
+        return self._trace_code
+
+    @property
+    def entry_frame(self) -> types.FunctionType:
+        """The frame tessera traces (it calls ``target``)."""
+        return self._entry
+
+    @property
+    def target(self) -> Callable[..., Any]:
+        """What the traced frame calls: the model's forward."""
+        return self._target
+
+    @property
+    def dynamic_dims(self) -> DynamicDims | None:
+        return self._dynamic_dims
+
+    @property
     def split_graph(self) -> torch.fx.GraphModule | None:
         """The split module (pieces as submodules), after a traced first call in piecewise modes."""
         return self._backend.split_gm if self._backend is not None else None
@@ -153,32 +225,25 @@ class CompiledModel:
             return self._compile_first(*args, **kwargs)
 
     def _compile_first(self, *args: Any, **kwargs: Any) -> Any:
+        if RECORDER is not None:
+            self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
+        self._counters_before = counters.snapshot()
         output, call = self._compile(args, kwargs)
         if call is None:  # deferred: this call ran eagerly
             return output
         self._call = call
         self.first_call_seconds = time.perf_counter() - start
-        self._log_start()
+        self._counters = counter_delta(self._counters_before, counters.snapshot())
+        report = self._make_report()
+        log.info("%s", report.summary())  # one line per model: cold or warm, cost, where
+        as_json = json.dumps(report.as_dict(), indent=1)
+        _compat.trace_artifact("tessera_compile_report", lambda: as_json, in_compile=False)
+        if self.cache_dir is not None:
+            save_report(self.cache_dir, report.kind, as_json)
+        if self._on_compiled is not None:
+            self._on_compiled(report)
         return output
-
-    def _log_start(self) -> None:
-        """One line per model: cold or warm, how long, what was loaded and compiled, where."""
-        backend = self._backend
-        if backend is None:
-            log.info("%s: mode %s ready in %.2fs", self.name, self.config.mode, self.first_call_seconds)
-            return
-        kind = "warm" if backend.compiled == 0 and backend.loaded > 0 else "cold"
-        log.info(
-            "%s: %s start in %.2fs (%s; %d artifact(s) loaded, %d compiled; cache %s)",
-            self.name,
-            kind,
-            self.first_call_seconds,
-            "no Dynamo trace" if self.warm_start else "one Dynamo trace",
-            backend.loaded,
-            backend.compiled,
-            self.cache_dir or "disabled",
-        )
 
     def _compile(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -192,10 +257,11 @@ class CompiledModel:
         self.marked_dims = list(choice.dims)
         if mode == "stock":
             mark_dynamic(values, choice)
-            compiled = torch.compile(self.model, backend=_counting_backend(self.config.backend))
+            compiled = torch.compile(self.model, backend=stock_backend(self.config.backend))
             return compiled(*args, **kwargs), compiled
         compiler = make_compiler(self.config.backend)
         root = None if self.config.disable_cache else cache_root(self.config.cache_dir)
+        remote = remote_tier(self.config.cache_remote) if root is not None else None
         prefix = self.prefix or "model"
         print_ = None
         if root is not None:
@@ -211,6 +277,8 @@ class CompiledModel:
                 rank_dir(),
             )
             self.startup_phases["fingerprint"] = time.perf_counter() - start
+            if remote is not None:
+                fetch_pointer(remote, root, print_)
             try:
                 backend, call, spec = PiecewiseBackend.from_artifact(
                     self.config, compiler, root, prefix, print_, self._entry
@@ -227,9 +295,11 @@ class CompiledModel:
                 self.startup_phases["first_call"] = time.perf_counter() - start
                 return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
-        if degenerate:
+        if degenerate and self.config.dynamic_shapes != "unbacked":
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
             # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
+            # Size-oblivious reasoning does not save it: a view still specializes a size whose
+            # hint is 1 (`_view_unbacked_meta`), and the guard that says so is dropped.
             # Run this call eagerly and trace at the first call with a general size instead.
             if not self._deferred:
                 log.info(
@@ -239,23 +309,39 @@ class CompiledModel:
                 )
             self._deferred += 1
             return self._target(*args, **kwargs), None  # root hooks: run by _first_call
-        self._context = (compiler, root, prefix, print_)
+        self._context = (compiler, root, prefix, print_, remote)
         return self._trace(args, kwargs, values, choice), self._call
 
     def _trace(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
     ) -> Any:
         """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
-        compiler, root, prefix, print_ = self._context
-        backend = PiecewiseBackend(self.config, compiler, root, prefix)
-        mark_dynamic(values, choice)
+        compiler, root, prefix, print_, remote = self._context
+        backend = PiecewiseBackend(self.config, compiler, root, prefix, remote)
+        mark_dynamic(values, choice, self.config.dynamic_shapes)
+        start = time.perf_counter()
         trace = trace_once(
-            self._entry, backend, self._target, args, kwargs, self._func.__qualname__, self._dynamic_state
+            self._entry,
+            backend,
+            self._target,
+            args,
+            kwargs,
+            self._func.__qualname__,
+            self._dynamic_state,
+            size_oblivious=self.config.dynamic_shapes == "backed_size_oblivious",
+        )
+        inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
+        self.startup_phases["trace"] = (
+            self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
         )
         spec = self._record(args, kwargs, choice, trace)
-        self._backend, self.warm_start = backend, False
+        self._backend, self.warm_start, self._trace_code = backend, False, trace.code
+        if backend.dumps is not None:
+            backend.dumps.transformed_code(trace.code)
         if print_ is not None:
             backend.save_artifact(print_, self._entry, trace.code, spec)
+            if remote is not None and root is not None and backend.store is not None:
+                publish(remote, root, print_, backend.store)
         self._install(functools.partial(trace.call, self._target), spec)
         return trace.output
 
@@ -264,7 +350,7 @@ class CompiledModel:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice, trace: Trace
     ) -> guards.CallSpec:
         """What the trace assumed of this (first) call."""
-        names = _argument_names(self.signature, args, kwargs)
+        names = guards.argument_names(self.signature, args, kwargs)
         dynamic: dict[str, set[int]] = {}
         for name, dim in choice.dims:
             dynamic.setdefault(name, set()).add(dim)
@@ -335,45 +421,10 @@ class CompiledModel:
             )
             values = bind_arguments(self._func, self._bound_to, args, kwargs)
             choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
-            return self._trace(args, kwargs, values, choice)
+            output = self._trace(args, kwargs, values, choice)
+            self._counters = counter_delta(self._counters_before, counters.snapshot())
+            return output
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _argument_names(
-    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, str]:
-    """``args[i]`` / ``kwargs['k']`` -> the parameter name a user knows it by."""
-    names: dict[str, str] = {f"kwargs[{key!r}]": key for key in kwargs}
-    positional = [
-        p
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    for i in range(len(args)):
-        param = positional[min(i, len(positional) - 1)] if positional else None
-        if param is None:
-            names[f"args[{i}]"] = f"argument {i}"
-        elif param.kind is param.VAR_POSITIONAL:
-            names[f"args[{i}]"] = f"{param.name}[{i - positional.index(param)}]"
-        else:
-            names[f"args[{i}]"] = param.name
-    return names
-
-
-def _counting_backend(name: str) -> Callable[..., Any]:
-    if name not in ("inductor", "eager"):
-        raise ConfigError(
-            f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
-            "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
-        )
-    inner = _compat.dynamo().lookup_backend(name)
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        counters.bump("graphs_traced")
-        counters.bump("inductor_compiles" if name == "inductor" else "eager_compiles")
-        return inner(gm, example_inputs)
-
-    return backend

@@ -8,8 +8,10 @@ the backend writes its own whole-model artifact (``save_artifact``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import pickle
 import time
@@ -25,17 +27,36 @@ import torch.fx
 from tessera import _compat, counters
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
-from tessera.cache.key import SourceFile, collect_factors, graph_signature, piece_content, traced_sources
+from tessera.cache.index import index_key
+from tessera.cache.key import (
+    SourceFile,
+    collect_factors,
+    graph_code_objects,
+    graph_signature,
+    piece_content,
+    traced_sources,
+)
+from tessera.cache.remote import RemoteTier
+from tessera.cache.sharing import compile_turn
 from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
+from tessera.debug.dumps import Dumps
 from tessera.errors import TesseraWarning
 from tessera.guards import CallSpec
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
-from tessera.manager import CompilerManager
+from tessera.manager import CompileOutcome, CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
-from tessera.split import SplitItem, SplitMatcher, default_splitting_ops, split_graph
+from tessera.progress import CompileProgress
+from tessera.split import (
+    SplitItem,
+    SplitMatcher,
+    default_splitting_ops,
+    dump_split_graph,
+    piece_calls,
+    split_graph,
+)
 from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
@@ -46,9 +67,15 @@ class PiecewiseBackend:
     """Splits, compiles or loads, and dispatches the pieces of one model."""
 
     def __init__(
-        self, config: CompileConfig, compiler: Compiler, cache_root: Path | None, prefix: str
+        self,
+        config: CompileConfig,
+        compiler: Compiler,
+        cache_root: Path | None,
+        prefix: str,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.config = config
+        self.remote = remote  # the fleet's shared store behind the local cache (cache/remote.py)
         self.compiler = compiler
         self.cache_root = cache_root
         self.prefix = prefix
@@ -62,24 +89,33 @@ class PiecewiseBackend:
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
-        self.phases: dict[str, float] = {}  # seconds per phase of a warm start
+        self.phases: dict[str, float] = {}  # seconds per phase (split, compile, load_kernels, ...)
+        self.outcomes: list[tuple[str, Size, CompileOutcome]] = []  # (piece, size, how obtained)
+        self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
         if cache_root is not None and hasattr(compiler, "use_machine_record"):
             compiler.use_machine_record(cache_root)
+        self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
 
     # -- trace path ----------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Dynamo's backend entry point: called once with the traced graph."""
         counters.bump("graphs_traced")
-        if self.config.mode == "trace_once" or self.config.cudagraph_mode == "full":
-            specs: Sequence[Any] = ()  # one piece: the whole graph (captured whole in "full")
+        if (
+            self.config.mode == "trace_once"
+            or self.config.cudagraph_mode == "full"
+            or self.config.graph_partition
+        ):
+            # One piece, the whole graph: captured whole ("full"), or partitioned by Inductor itself.
+            specs: Sequence[Any] = ()
         elif self.config.splitting_ops is None:
             specs = default_splitting_ops()
         else:
             specs = self.config.splitting_ops
+        start = time.perf_counter()
         matcher = SplitMatcher(specs)
         split_gm, items = split_graph(gm, matcher)
         if self.config.splitting_ops:
@@ -94,6 +130,11 @@ class PiecewiseBackend:
         self.order = [(item.name, item.is_splitting) for item in items]
         counters.bump("pieces", len(items))
         counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
+        split_dump = dump_split_graph(split_gm, items)
+        _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
+        if self.dumps is not None:
+            self.dumps.traced_graph(gm.code)
+            self.dumps.split_graph(split_dump)
         log.debug(
             "traced graph of %d nodes split into %d piece(s) (%d compiled)",
             len(gm.graph.nodes),
@@ -101,7 +142,7 @@ class PiecewiseBackend:
             sum(not item.is_splitting for item in items),
         )
         if self.cache_root is not None:
-            self.sources = traced_sources(_traced_code(gm))
+            self.sources = traced_sources(graph_code_objects(gm))
             factors = collect_factors(
                 self.config,
                 self.compiler.name,
@@ -109,9 +150,9 @@ class PiecewiseBackend:
                 self.sources,
                 graph_signature(gm),
             )
-            store = CacheEntry.create(
-                self.cache_root, self.prefix, factors, dump_split_graph(split_gm, items), self.sources
-            )
+            if self.dumps is not None:
+                self.dumps.factors(factors)
+            store = CacheEntry.create(self.cache_root, self.prefix, factors, split_dump, self.sources)
             self.manager = CompilerManager(self.compiler, self.config, store)
         for item in items:
             if item.is_splitting:
@@ -119,10 +160,23 @@ class PiecewiseBackend:
                 # submodule, so calls go straight to ours while the GraphModule stays printable.
                 kept = self._layout_kept(item.name, item.graph.forward, output_layout(item.graph))
                 split_gm.__dict__[item.name] = kept
-        start = time.perf_counter()
-        for item, fake_args, real_args in _piece_calls(split_gm, items, list(example_inputs)):
-            self._build(split_gm, item, fake_args, real_args)
-        log.debug("built %d piece runner(s) in %.2fs", len(self.runners), time.perf_counter() - start)
+        built = time.perf_counter()
+        self.phases["split"] = built - start
+        calls = piece_calls(split_gm, items, list(example_inputs))
+        needed = {
+            index_key(s, item.index, self.compiler.name) for item, fake, _ in calls for s in self._sizes(fake)
+        }
+        store = self.manager.store
+        turn = compile_turn(store, needed, self.remote) if store is not None else contextlib.nullcontext()
+        progress = CompileProgress(self.prefix, len(needed))
+        try:
+            with turn:
+                for item, fake_args, real_args in calls:
+                    self._build(split_gm, item, fake_args, real_args, progress)
+        finally:
+            progress.close()
+        self.phases["compile"] = time.perf_counter() - built
+        log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
         # forward, not __call__: skips nn.Module call machinery on every step.
         self.split_forward = split_gm.forward
         return split_gm.forward
@@ -133,28 +187,34 @@ class PiecewiseBackend:
         item: SplitItem,
         fake_args: Sequence[Any],
         real_args: Sequence[Any | None],
+        progress: CompileProgress,
     ) -> None:
         """Compile (or load) every artifact of one non-splitting piece and install its runner."""
         config = self.config
         output = next(iter(reversed(item.graph.graph.nodes)))
         returns_tuple = isinstance(output.args[0], (tuple, list))
         source = find_size_source(fake_args)
-        sizes: tuple[Size, ...] = (None,)
-        if source is not None:
-            sizes = (None, *config.compile_sizes, *config.ranges)
+        sizes = self._sizes(fake_args)
         content = piece_content(item.graph, fake_args)
         self.contents[item.name] = content
         artifacts: dict[Size, Callable[..., Any]] = {}
         seconds = []
+        timings = []
         for size in sizes:
             inputs: Callable[[], Sequence[Any]] = lambda: fake_args  # noqa: E731
             if isinstance(size, int):
                 inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+            progress.start(item.name, size_label(size))
             outcome = self.manager.get(
                 item.graph, inputs, size, item.index, self.manager.content_key(content, size)
             )
+            progress.advance()
+            self._record_stage(item, size, outcome)
             artifacts[size] = outcome.fn
+            self.outcomes.append((item.name, size, outcome))
             seconds.append((size_label(size), outcome.seconds))
+            timings.append((size_label(size), outcome.seconds, outcome.source))
+        progress.piece_done(item.name, timings)
         returned = output.args[0] if returns_tuple else [output.args[0]]
         outputs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in returned]
         record = PieceRecord(
@@ -168,9 +228,26 @@ class PiecewiseBackend:
             ranges=tuple(config.ranges) if source is not None else (),
             compile_seconds=tuple(seconds),
             dynamic=dynamic_inputs(fake_args, outputs),
+            partitions=_partitions(self.compiler, artifacts.get(None)),
         )
         runner = PieceRunner(item.name, artifacts, source, config.max_size)
         split_gm.__dict__[item.name] = self._install_runner(record, runner)
+
+    def _record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
+        """One artifact obtained: in torch's structured trace, and in the debug dumps."""
+        event = {"piece": item.name, "size": size_label(size), "source": outcome.source}
+        _compat.trace_artifact(
+            "tessera_piece", lambda: json.dumps({**event, "seconds": round(outcome.seconds, 6)})
+        )
+        if self.dumps is not None:
+            code = getattr(self.compiler, "output_code", lambda fn: None)(outcome.fn)
+            self.dumps.piece(item.name, size_label(size), code or item.graph.code)
+
+    def _sizes(self, fake_args: Sequence[Any]) -> tuple[Size, ...]:
+        """What a piece is compiled for: general, then each compile size and range if it has a size."""
+        if find_size_source(fake_args) is None:
+            return (None,)
+        return (None, *self.config.compile_sizes, *self.config.ranges)
 
     # -- warm path -----------------------------------------------------------------------------
     @classmethod
@@ -203,6 +280,7 @@ class PiecewiseBackend:
         backend.manager = CompilerManager(compiler, config, store)
         backend.sources = list(saved.sources)
         backend.phases = {"read_and_verify": read - start, "unpickle": time.perf_counter() - read}
+        backend.artifact_status = "loaded"
         try:
             call = backend._rebuild(saved, entry)
         except WarmStartUnavailable:
@@ -236,6 +314,7 @@ class PiecewiseBackend:
                 if outcome is None:
                     raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): its artifact is missing")
                 artifacts[size] = outcome.fn
+                self.outcomes.append((record.name, size, outcome))
             attributes[record.name] = self._install_runner(
                 record, PieceRunner(record.name, artifacts, record.size_source, self.config.max_size)
             )
@@ -264,11 +343,11 @@ class PiecewiseBackend:
         store, split_gm = self.store, self.split_gm
         if store is None or split_gm is None or self.cache_root is None:
             return
+        start = time.perf_counter()
         unsaved = [i.name for i in self.items if not i.is_splitting and not self._saved(i)]
         if unsaved:
-            log.info(
-                "no whole-model artifact: %s cannot be saved by compiler %s", unsaved, self.compiler.name
-            )
+            self.artifact_status = f"not written: {unsaved} were not saved by compiler {self.compiler.name}"
+            log.info("no whole-model artifact: %s", self.artifact_status)
             return
         try:
             portable: PortableCode = capture_code(code, entry)
@@ -283,13 +362,18 @@ class PiecewiseBackend:
                 spec,
             )
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
+            self.artifact_status = f"not written: {e}"
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return
         try:
             store.write_model(model_artifact.dumps(saved))
             model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
         except OSError as e:  # the model runs; the next process traces again
+            self.artifact_status = f"not written: {e.strerror}"
             warn_write_failed(store.path, e)
+        else:
+            self.artifact_status = "written"
+        self.phases["whole_model_artifact"] = time.perf_counter() - start
 
     def _saved(self, item: SplitItem) -> bool:
         record = self.records.get(item.name)
@@ -358,51 +442,6 @@ class PiecewiseBackend:
         return self.manager.compiled
 
 
-def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
-    """A readable Python file: the split module, then every piece's code."""
-    parts = ["# tessera computation graph: the split module, then each piece.\n", split_gm.code]
-    for item in items:
-        kind = "splitting (runs as is)" if item.is_splitting else "compiled"
-        parts.append(f"\n# ---- {item.name} (piece {item.index}, {kind}) ----\n{item.graph.code}")
-    return "".join(parts)
-
-
-def _traced_code(gm: torch.fx.GraphModule) -> list[Any]:
-    """The code objects Dynamo traced for this graph (for the cache key's source files).
-
-    Failing the tracing context, the files named in the graph's stack traces are used.
-    """
-    codes = _compat.traced_code_objects()
-    if codes is not None:
-        return codes
-    log.warning("this torch does not list traced code; the cache key covers files named in the graph")
-    files = {n.meta.get("stack_trace", "") for n in gm.graph.nodes}
-    names = {line.split('"')[1] for trace in files for line in trace.splitlines() if 'File "' in line}
-    return [compile("", name, "exec") for name in sorted(names)]
-
-
-def _piece_calls(
-    split_gm: torch.fx.GraphModule, items: Sequence[SplitItem], real_inputs: list[Any]
-) -> list[tuple[SplitItem, list[Any], list[Any | None]]]:
-    """Per compiled piece: its inputs' fake values (Dynamo's example values) and real values where known.
-
-    No fake execution: split_module copies each input's example value onto the piece's
-    placeholders, which is all a runner needs.
-    """
-    by_name = {item.name: item for item in items}
-    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
-    real_of = dict(zip(placeholders, real_inputs, strict=True))
-    calls = []
-    for node in split_gm.graph.nodes:
-        item = by_name.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
-        if item is None or item.is_splitting:
-            continue
-        inputs = [n for n in item.graph.graph.nodes if n.op == "placeholder"]
-        fake = [n.meta.get("example_value") for n in inputs]
-        missing = [n.name for n, v in zip(inputs, fake, strict=True) if v is None]
-        assert not missing and len(fake) == len(node.args), (
-            f"{item.name}: Dynamo left no example value for inputs {missing}"
-        )
-        real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
-        calls.append((item, fake, real))
-    return calls
+def _partitions(compiler: Compiler, fn: Callable[..., Any] | None) -> int | None:
+    count = getattr(compiler, "partitions_of", None)
+    return count(fn) if count is not None and fn is not None else None

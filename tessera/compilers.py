@@ -25,7 +25,7 @@ from tessera import _compat, counters, kernels
 from tessera.cache.key import machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
-from tessera.errors import CompilerError
+from tessera.errors import CompilerError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,16 @@ class InductorCompiler:
         self.cache_dir: Path | None = None
         self.machine_record: Path | None = None
         self._loaded: dict[str, Callable[..., Any]] = {}
+        self._partitions: dict[int, int] = {}  # id(callable) -> Inductor's partitions of it
+        self._code: dict[int, str] = {}  # id(callable) -> the Python code that runs it
+
+    def output_code(self, fn: Callable[..., Any]) -> str | None:
+        """Inductor's output code behind ``fn`` (for debug dumps), when known."""
+        return self._code.get(id(fn))
+
+    def partitions_of(self, fn: Callable[..., Any]) -> int | None:
+        """How many partitions Inductor's output code for ``fn`` has (graph_partition mode)."""
+        return self._partitions.get(id(fn))
 
     def _base_factors(self) -> dict[str, Any]:
         return {
@@ -163,6 +173,20 @@ class InductorCompiler:
         else:
             dynamic_shapes = "from_graph"
         patches.update(config.inductor_config)
+        if config.passes:
+            from tessera.passes import pass_manager
+
+            patches["post_grad_custom_post_pass"] = pass_manager(config.passes, size)
+            # Inductor's FX graph cache would serve an earlier process's output without running
+            # the passes; a pass is promised a call per compile (it may count, log or check),
+            # and tessera's own cache already makes the next start warm.
+            patches["fx_graph_cache"] = False
+        if config.graph_partition:
+            from tessera.split import default_splitting_ops, partition_op_names
+
+            specs = config.splitting_ops if config.splitting_ops is not None else default_splitting_ops()
+            patches["graph_partition"] = True
+            patches["custom_should_partition_ops"] = list(partition_op_names(specs))
         with _compat.trusted_vec_isa(self._probe_recorded()):
             artifact = _compat.standalone_compile(graph, list(example_inputs), dynamic_shapes, patches)
         counters.bump("inductor_compiles")
@@ -171,6 +195,9 @@ class InductorCompiler:
         piece = kernels.package(artifact, graph, example_inputs, standard)
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
+        self._partitions[id(fn)] = piece.partitions
+        compiled = _compat.find_compiled_graph(artifact)
+        self._code[id(fn)] = compiled.source_code if compiled is not None else ""
         handle = None
         if self.cache_dir is not None and (piece.standard or piece.direct is not None):
             try:
@@ -202,6 +229,8 @@ class InductorCompiler:
             except (ValueError, KeyError, TypeError) as e:
                 raise CompilerError(f"{handle} is not a tessera piece file: {e}") from e
             fn = self._callable(piece, None, handle)
+            self._partitions[id(fn)] = piece.partitions
+            self._code[id(fn)] = piece.direct.wrapper if piece.direct is not None else ""
             counters.bump("artifacts_loaded")
         self._loaded[handle] = fn
         return fn
@@ -299,3 +328,20 @@ def make_compiler(backend: str) -> Compiler:
             f"compute_hash, initialize_cache, compile, load (missing: {missing or ['name']})"
         )
     return compiler  # type: ignore[no-any-return]
+
+
+def stock_backend(name: str) -> Callable[..., Any]:
+    """torch.compile's own ``name`` backend for mode="stock", counting what it traces and compiles."""
+    if name not in ("inductor", "eager"):
+        raise ConfigError(
+            f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
+            "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
+        )
+    inner = _compat.dynamo().lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        counters.bump("graphs_traced")
+        counters.bump("inductor_compiles" if name == "inductor" else "eager_compiles")
+        return inner(gm, example_inputs)
+
+    return backend

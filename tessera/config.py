@@ -18,6 +18,7 @@ from tessera.errors import ConfigError
 MODES = ("none", "stock", "trace_once", "piecewise")
 BUILTIN_BACKENDS = ("inductor", "eager", "inductor_fx")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
+DYNAMIC_SHAPES = ("backed", "unbacked", "backed_size_oblivious")
 
 # A splitting op spec: "ns::op", "ns::op.overload", a dotted Python path, an OpOverload(Packet)
 # or any Python callable that shows up as a call_function target in a Dynamo graph.
@@ -88,6 +89,14 @@ class CompileConfig:
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     passes: Sequence[Any] = ()
     check_inputs: bool = True  # compare every call with what the trace assumed (see guards.py)
+    dynamic_shapes: str = field(
+        default_factory=lambda: v.env_value(
+            "DYNAMIC_SHAPES", "backed", check=lambda m: v.check_choice("dynamic_shapes", m, DYNAMIC_SHAPES)
+        )
+    )
+    graph_partition: bool = False  # one graph to Inductor, partitioned by Inductor (torch >= 2.9)
+    debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
+    cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
 
     def __post_init__(self) -> None:
         # Checked, then normalised to tuples so the frozen record cannot be mutated through a list.
@@ -97,6 +106,8 @@ class CompileConfig:
         v.check_max_size(self.max_size)
         v.check_bool("disable_cache", self.disable_cache)
         v.check_bool("check_inputs", self.check_inputs)
+        v.check_choice("dynamic_shapes", self.dynamic_shapes, DYNAMIC_SHAPES)
+        v.check_bool("graph_partition", self.graph_partition)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 0),
@@ -105,6 +116,8 @@ class CompileConfig:
             if self.cudagraph_capture_sizes is None
             else v.check_sizes("cudagraph_capture_sizes", self.cudagraph_capture_sizes, self.max_size, 1),
             "cache_dir": v.check_cache_dir(self.cache_dir),
+            "debug_dump_dir": v.check_cache_dir(self.debug_dump_dir, "debug_dump_dir"),
+            "cache_remote": v.check_remote(self.cache_remote),
             "inductor_config": v.check_inductor_config(self.inductor_config),
             "passes": v.check_passes(self.passes),
             # The environment switch is an operator's kill switch: it wins over the config.
@@ -120,6 +133,12 @@ class CompileConfig:
                     "padded to a larger capture size and never use their static artifact; add them to "
                     "cudagraph_capture_sizes or drop them from compile_sizes"
                 )
+        if self.graph_partition and (self.backend != "inductor" or self.mode != "piecewise"):
+            raise ConfigError(
+                f"graph_partition=True lets Inductor partition the graph around the splitting ops: it "
+                f"needs backend='inductor' and mode='piecewise' (got backend={self.backend!r}, "
+                f"mode={self.mode!r})"
+            )
 
     @property
     def ranges(self) -> tuple[SizeRange, ...]:
@@ -158,6 +177,8 @@ class CompileConfig:
             else list(self.cudagraph_capture_sizes),
             "inductor_config": {k: repr(v) for k, v in sorted(self.inductor_config.items())},
             "passes": [_pass_uuid(p) for p in self.passes],
+            "dynamic_shapes": self.dynamic_shapes,
+            "graph_partition": self.graph_partition,
         }
 
     def compute_hash(self) -> str:

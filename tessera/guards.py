@@ -313,3 +313,24 @@ def _short(value: Any) -> str:
         return value.__qualname__
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def argument_names(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, str]:
+    """``args[i]`` / ``kwargs['k']`` -> the parameter name a user knows it by."""
+    names: dict[str, str] = {f"kwargs[{key!r}]": key for key in kwargs}
+    positional = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    for i in range(len(args)):
+        param = positional[min(i, len(positional) - 1)] if positional else None
+        if param is None:
+            names[f"args[{i}]"] = f"argument {i}"
+        elif param.kind is param.VAR_POSITIONAL:
+            names[f"args[{i}]"] = f"{param.name}[{i - positional.index(param)}]"
+        else:
+            names[f"args[{i}]"] = param.name
+    return names

@@ -19,6 +19,7 @@ import json
 import linecache
 import logging
 import os
+import re
 import struct
 import tempfile
 import types
@@ -69,6 +70,7 @@ class PieceFile:
     direct: DirectCode | None
     returns_tuple: bool
     why_not_direct: str = ""
+    partitions: int = 0  # functions Inductor's graph partition made of the piece (0: none)
 
     def to_bytes(self) -> bytes:
         blobs: list[bytes] = []
@@ -83,6 +85,7 @@ class PieceFile:
             "torch": torch.__version__,
             "standard": blob(self.standard),
             "returns_tuple": self.returns_tuple,
+            "partitions": self.partitions,
             "why_not_direct": self.why_not_direct,
             "direct": None,
         }
@@ -136,6 +139,7 @@ class PieceFile:
             direct,
             bool(header["returns_tuple"]),
             str(header.get("why_not_direct", "")),
+            int(header.get("partitions", 0)),
         )
 
 
@@ -145,12 +149,15 @@ def package(
 ) -> PieceFile:
     """The piece file for a fresh standalone-compile ``artifact`` of ``graph``."""
     returns_tuple = _graph_returns_tuple(graph)
+    compiled = _compat.find_compiled_graph(artifact)
+    source = compiled.source_code if compiled is not None else ""
+    partitions = len(re.findall(r"^def partition_\d+\(", source, re.MULTILINE))
     try:
         direct = extract_direct(artifact, graph, example_inputs)
     except NotDirect as e:
         log.debug("piece loads through Inductor only: %s", e)
-        return PieceFile(standard, None, returns_tuple, str(e))
-    return PieceFile(standard, direct, returns_tuple)
+        return PieceFile(standard, None, returns_tuple, str(e), partitions)
+    return PieceFile(standard, direct, returns_tuple, partitions=partitions)
 
 
 def extract_direct(artifact: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> DirectCode:

@@ -85,6 +85,7 @@ class PieceRecord:
     served: tuple[tuple[str, int], ...] = ()
     dynamic: DynamicInputs | None = None
     cudagraph_sizes: tuple[int, ...] = ()
+    partitions: int | None = None  # Inductor's own partitions of this piece (graph_partition mode)
 
     @property
     def artifacts(self) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
@@ -38,6 +39,38 @@ class SplitItem:
     index: int
     is_splitting: bool
     graph: torch.fx.GraphModule
+
+
+# What SDPA becomes in an Inductor graph (aten overloads per backend), for Inductor's own partitioning.
+_SDPA_ATEN = (
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+)
+
+
+def partition_op_names(specs: Sequence[SplittingOp]) -> tuple[str, ...]:
+    """The splitting ops as Inductor's ``custom_should_partition_ops`` names (``ns::op[.overload]``).
+
+    Python callables other than SDPA have no op name Inductor could partition on: they are left out.
+    """
+    names: list[str] = []
+    for spec in specs:
+        if isinstance(spec, str) and "::" in spec:
+            names.append(spec)
+        elif isinstance(spec, _compat.OpOverloadPacket):
+            names.append(packet_name(spec))
+        elif isinstance(spec, _compat.OpOverload):
+            names.append(op_overload_name(spec))
+        elif spec is torch.nn.functional.scaled_dot_product_attention or spec == (
+            "torch.nn.functional.scaled_dot_product_attention"
+        ):
+            names.extend(_SDPA_ATEN)
+        else:
+            log.info("splitting op %r has no op name for Inductor's graph partition; not partitioned", spec)
+    return tuple(dict.fromkeys(names))
 
 
 def _resolve_dotted(spec: str) -> object:
@@ -110,12 +143,15 @@ def split_graph(
     """Cut ``gm`` before and after every splitting-op node; return the split module and pieces.
 
     A ``getitem`` on a node's result stays in that node's piece so that no piece takes a whole
-    tuple as input. Original node order is kept: reordering breaks graphs with in-place mutation.
+    tuple as input. Splitting ops with nothing compiled between them share one splitting piece
+    (no empty piece between them). Original node order is kept: reordering breaks graphs with
+    in-place mutation.
     """
     matches = specs if isinstance(specs, SplitMatcher) else SplitMatcher(specs)
     piece_of: dict[torch.fx.Node, int] = {}
     splitting_ids: set[int] = set()
     current = 0
+    after_split = False  # the last node placed (getitems aside) was a splitting op
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -128,11 +164,15 @@ def split_graph(
         ):
             piece_of[node] = piece_of[source]
         elif matches(node):
-            current += 1
+            if not after_split:
+                current += 1
+                splitting_ids.add(current)
             piece_of[node] = current
-            splitting_ids.add(current)
-            current += 1
+            after_split = True
         else:
+            if after_split:
+                current += 1
+                after_split = False
             piece_of[node] = current
     log.debug("splitting graph: %d splitting node(s) found", len(splitting_ids))
 
@@ -148,3 +188,39 @@ def split_graph(
         assert isinstance(module, torch.fx.GraphModule), f"{name} is not a GraphModule"
         items.append(SplitItem(name, index, piece_id in splitting_ids, module))
     return split_gm, items
+
+
+def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
+    """A readable Python file: the split module, then every piece's code."""
+    parts = ["# tessera computation graph: the split module, then each piece.\n", split_gm.code]
+    for item in items:
+        kind = "splitting (runs as is)" if item.is_splitting else "compiled"
+        parts.append(f"\n# ---- {item.name} (piece {item.index}, {kind}) ----\n{item.graph.code}")
+    return "".join(parts)
+
+
+def piece_calls(
+    split_gm: torch.fx.GraphModule, items: Sequence[SplitItem], real_inputs: list[Any]
+) -> list[tuple[SplitItem, list[Any], list[Any | None]]]:
+    """Per compiled piece: its inputs' fake values (Dynamo's example values) and real values where known.
+
+    No fake execution: split_module copies each input's example value onto the piece's
+    placeholders, which is all a runner needs.
+    """
+    by_name = {item.name: item for item in items}
+    placeholders = [n for n in split_gm.graph.nodes if n.op == "placeholder"]
+    real_of = dict(zip(placeholders, real_inputs, strict=True))
+    calls = []
+    for node in split_gm.graph.nodes:
+        item = by_name.get(node.target) if node.op == "call_module" else None  # type: ignore[arg-type]
+        if item is None or item.is_splitting:
+            continue
+        inputs = [n for n in item.graph.graph.nodes if n.op == "placeholder"]
+        fake = [n.meta.get("example_value") for n in inputs]
+        missing = [n.name for n, v in zip(inputs, fake, strict=True) if v is None]
+        assert not missing and len(fake) == len(node.args), (
+            f"{item.name}: Dynamo left no example value for inputs {missing}"
+        )
+        real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
+        calls.append((item, fake, real))
+    return calls

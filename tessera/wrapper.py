@@ -105,11 +105,17 @@ def choose_dynamic_dims(
     return DynamicChoice(tuple(chosen), guessed=dynamic_dims is None)
 
 
-def mark_dynamic(values: Mapping[str, Any], choice: DynamicChoice) -> None:
-    """Tell Dynamo about the chosen dims (before the one trace)."""
+def mark_dynamic(values: Mapping[str, Any], choice: DynamicChoice, mode: str = "backed") -> None:
+    """Tell Dynamo about the chosen dims (before the one trace).
+
+    ``mode="unbacked"`` marks them unbacked: no 0/1 specialisation, so the first call may have any
+    size, at the price of guard-free reasoning only (data-dependent branches fail to trace).
+    """
     dynamo = _compat.dynamo()
     for name, dim in choice.dims:
-        if choice.guessed:
+        if mode == "unbacked":
+            _compat.mark_unbacked(values[name], dim)
+        elif choice.guessed:
             # Default dims are a guess (a weight passed as an argument has a fixed dim 0):
             # let Dynamo keep them static where the code requires it.
             dynamo.maybe_mark_dynamic(values[name], dim)
@@ -147,6 +153,7 @@ def trace_once(
     kwargs: dict[str, Any],
     name: str,
     dynamic_state: tuple[str, ...] = (),
+    size_oblivious: bool = False,
 ) -> Trace:
     """Trace ``entry(target, *args, **kwargs)`` with every guard dropped (and recorded).
 
@@ -179,7 +186,7 @@ def trace_once(
     )
     handle = _compat.register_bytecode_hook(hook)
     try:
-        with _compat.single_trace_settings(dynamic_state):
+        with _compat.single_trace_settings(dynamic_state, size_oblivious):
             output = compiled(target, *args, **kwargs)
     except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error

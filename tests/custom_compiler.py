@@ -21,3 +21,30 @@ class CountingCompiler:
 
     def load(self, handle, graph, example_inputs, index, size):
         return graph.forward
+
+
+class PerturbingCompiler:
+    """A wrong compiler, for bisection tests: piece 2 comes out off by 0.1; the others are right."""
+
+    name = "perturbing"
+
+    def compute_hash(self) -> str:
+        return "perturbing-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        if "piece2_" not in key:  # the scratch name says which piece (see manager.py)
+            return graph.forward, None
+
+        def wrong(*args):
+            out = graph.forward(*args)
+            if isinstance(out, tuple):
+                return tuple(o + 0.1 if o.is_floating_point() else o for o in out)
+            return out + 0.1
+
+        return wrong, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        raise AssertionError("nothing is saved, so nothing is loaded")

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import platform
 import re
@@ -26,9 +27,12 @@ import torch.fx
 from tessera import _compat
 from tessera.config import CompileConfig
 
+log = logging.getLogger(__name__)
+
 # TESSERA_* variables that change compiled code (the others: paths and switches, do not).
 CODE_ENV_VARS = (
     "TESSERA_MODE",
+    "TESSERA_DYNAMIC_SHAPES",
     "TESSERA_BACKEND",
     "TESSERA_COMPILE_SIZES",
     "TESSERA_COMPILE_RANGES",
@@ -333,3 +337,17 @@ def fingerprint(
         "where": [prefix, rank],
     }
     return sha256_json(factors)
+
+
+def graph_code_objects(gm: torch.fx.GraphModule) -> list[Any]:
+    """The code objects Dynamo traced for this graph (for the cache key's source files).
+
+    Failing the tracing context, the files named in the graph's stack traces are used.
+    """
+    codes = _compat.traced_code_objects()
+    if codes is not None:
+        return codes
+    log.warning("this torch does not list traced code; the cache key covers files named in the graph")
+    files = {n.meta.get("stack_trace", "") for n in gm.graph.nodes}
+    names = {line.split('"')[1] for trace in files for line in trace.splitlines() if 'File "' in line}
+    return [compile("", name, "exec") for name in sorted(names)]

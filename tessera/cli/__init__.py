@@ -28,6 +28,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="steady-state latency benchmark (JSON on stdout)")
     bench.add_argument("--quick", action="store_true", help="fewer repeats")
 
+    report = sub.add_parser("report", help="the compile record of a cache entry or a script's models")
+    report.add_argument(
+        "target", nargs="?", help="a cache entry directory or a Python script (default: newest)"
+    )
+    report.add_argument("--json", action="store_true", help="print the record as JSON")
+    report.add_argument("--root", help="cache root (default: $TESSERA_CACHE_DIR or the user cache dir)")
+
+    bisect = sub.add_parser("bisect", help="run a script; compare each compiled piece with eager")
+    bisect.add_argument("script", help="a Python script that compiles and calls models")
+    bisect.add_argument("--atol", type=float, default=1e-4)
+    bisect.add_argument("--rtol", type=float, default=1e-4)
+
     cache = sub.add_parser("cache", help="inspect and manage the persistent compile cache")
     cache.add_argument("--root", help="cache root (default: $TESSERA_CACHE_DIR or the user cache dir)")
     cache_sub = cache.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
@@ -39,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache_sub.add_parser("clear", help="remove every entry not in use")
     prune = cache_sub.add_parser("prune", help="remove least recently used entries down to a size")
     prune.add_argument("--max-size", required=True, help="e.g. 500M, 2G")
+    export = cache_sub.add_parser("export", help="write entries and their pointers to a tar archive")
+    export.add_argument("archive", help="FILE.tar")
+    export.add_argument("--prefix", action="append", default=[], help="only entries with this prefix")
+    export.add_argument("--key", action="append", default=[], help="only entries whose key starts so")
+    imported = cache_sub.add_parser("import", help="bring an exported archive's entries into the root")
+    imported.add_argument("archive", help="FILE.tar")
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -55,8 +73,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(quick=args.quick)
     if args.command == "cache":
         return cache_command(args)
+    if args.command == "report":
+        from tessera.cache.store import cache_root
+        from tessera.cli.report import report_command
+
+        return report_command(args.target, cache_root(args.root), args.json)
+    if args.command == "bisect":
+        return bisect_command(args.script, args.atol, args.rtol)
     parser.print_help(sys.stdout)
     return 0
+
+
+def bisect_command(script: str, atol: float, rtol: float) -> int:
+    """Run ``script``, then bisect every model it compiled on that model's first call."""
+    from tessera.cli.report import run_script
+    from tessera.debug import bisect
+
+    models = [m for m in run_script(script) if m.first_call is not None]
+    if not models:
+        print(f"{script} compiled and called no model", file=sys.stderr)
+        return 1
+    status = 0
+    for model in models:
+        args, kwargs = model.first_call
+        result = bisect(model.model, model, *args, atol=atol, rtol=rtol, **kwargs)
+        print(f"== {model.name}")
+        for line in result.format():
+            print(line)
+        status = status or int(result.first_bad is not None)
+    return status
 
 
 def cache_command(args: argparse.Namespace) -> int:
@@ -107,6 +152,21 @@ def cache_command(args: argparse.Namespace) -> int:
         return 1 if problems else 0
     if action == "clear":
         print(f"removed {cachetools.clear(root)} entries from {root}")
+        return 0
+    if action in ("export", "import"):
+        from tessera.cache import archive
+        from tessera.errors import CacheError
+
+        try:
+            if action == "export":
+                count = archive.export(root, Path(args.archive), args.prefix, args.key)
+                print(f"exported {count} entr{'y' if count == 1 else 'ies'} from {root} to {args.archive}")
+            else:
+                count = archive.import_(root, Path(args.archive))
+                print(f"imported {count} entr{'y' if count == 1 else 'ies'} into {root}")
+        except (CacheError, OSError) as e:
+            print(f"tessera cache {action}: {e}", file=sys.stderr)
+            return 1
         return 0
     if action == "prune":
         try:

@@ -5,12 +5,7 @@ Prints pieces, per-piece compile time, per-call latency next to eager and stock 
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import sys
-import threading
 import time
-from collections.abc import Iterator
 
 import torch
 
@@ -21,34 +16,6 @@ from tessera.timing import per_call_seconds
 COMPILE_SIZES = [1, 16]
 CHECK_SIZES = [1, 5, 16, 23, 64]  # 5, 23 and 64 are not compile sizes
 TIMED_SIZES = [1, 16, 64]
-
-
-@contextlib.contextmanager
-def spinner(label: str) -> Iterator[None]:
-    """A one-line progress indicator with elapsed seconds (plain dots when not a terminal)."""
-    done = threading.Event()
-    start = time.perf_counter()
-    tty = sys.stdout.isatty()
-
-    def spin() -> None:
-        for frame in itertools.cycle("|/-\\"):
-            if done.wait(0.2 if tty else 5.0):
-                return
-            if tty:
-                print(f"\r  {frame} {label} {time.perf_counter() - start:5.1f}s", end="", flush=True)
-            else:
-                print(".", end="", flush=True)
-
-    print(f"  {label}", end="" if not tty else "\n", flush=True)
-    thread = threading.Thread(target=spin, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        prefix = "\r" if tty else "\n"
-        print(f"{prefix}  done: {label} in {time.perf_counter() - start:.1f}s" + " " * 10, flush=True)
 
 
 def _ms(seconds: float) -> str:
@@ -63,8 +30,12 @@ def run_demo(layers: int = 4, hidden: int = 256, backend: str = "inductor") -> i
     print(f"tessera demo: toy Llama, {layers} layers, width {hidden}, compiler '{backend}'")
     compiled = tessera.compile(model, backend=backend, compile_sizes=COMPILE_SIZES, prefix="demo")
     ids, pos = toy_llama.example_inputs(8)
-    with spinner(f"tracing and compiling (compile sizes {COMPILE_SIZES} + general)"), torch.no_grad():
+    print(f"  tracing and compiling (compile sizes {COMPILE_SIZES} + general)...", flush=True)
+    with torch.no_grad():  # a progress bar on a terminal (tessera.progress)
         compiled(ids, pos)
+    report = compiled.report
+    assert report is not None, "the first call made a report"
+    print(f"  {report.kind} start in {report.total_seconds:.1f}s")
 
     counts = tessera.counters.snapshot()
     if counts["inductor_compiles"] == 0 and counts["cache_hits"]:
@@ -87,8 +58,11 @@ def run_demo(layers: int = 4, hidden: int = 256, backend: str = "inductor") -> i
     print("(* = compile size)")
 
     stock = torch.compile(model, backend=backend, dynamic=True)
-    with spinner("compiling stock torch.compile for comparison"), torch.no_grad():
+    print("\n  compiling stock torch.compile for comparison...", flush=True)
+    start = time.perf_counter()
+    with torch.no_grad():
         stock(*toy_llama.example_inputs(8))
+    print(f"  done in {time.perf_counter() - start:.1f}s")
 
     print(
         f"\nper-call latency (median):\n  {'tokens':>6} {'eager':>11} {'stock':>11} {'tessera':>11}  speed-up"

@@ -1,0 +1,306 @@
+"""A fleet compiles once: Redis behind the local caches, leases, signatures, faults, ranks, images.
+
+A real redis-server runs on a loopback port (``make test`` installs it when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera.cache.archive import export, import_
+from tessera.cache.remote import RemoteTier
+from tessera.errors import CacheError, CacheWarning
+from tessera.models import toy_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+redis = pytest.importorskip("redis", reason="the redis client is a dev dependency (make test installs it)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    def __init__(self, workdir: Path) -> None:
+        self.port = _free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is installed by make test (apt-get install redis-server)"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=self.workdir,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _member(out: Path, root: Path, remote: str | None, *args: str, **env: str) -> subprocess.Popen[str]:
+    environment = dict(os.environ, TESSERA_CACHE_DIR=str(root), PYTHONPATH=str(ROOT))
+    environment.pop("TESSERA_CACHE_REMOTE", None)
+    if remote:
+        environment["TESSERA_CACHE_REMOTE"] = remote
+    environment.update(env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.run_fleet_member", str(out), *args],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _results(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float = 900) -> None:
+    for proc in procs:
+        _, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, err[-3000:]
+
+
+# -- eight replicas, one Redis --------------------------------------------------------------------
+@pytest.mark.inductor
+def test_eight_replicas_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path, redis_server):
+    out, barrier = tmp_path / "out", tmp_path / "barrier"
+    out.mkdir()
+    barrier.mkdir()
+    procs = [
+        _member(out, tmp_path / f"local{i}", redis_server.url, "--barrier", str(barrier)) for i in range(8)
+    ]
+    deadline = time.monotonic() + 300
+    while len(list(barrier.glob("ready.*"))) < 8:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "replicas did not start"
+        time.sleep(0.05)
+    (barrier / "go").touch()
+    _wait_all(procs)
+    results = _results(out)
+    assert len(results) == 8 and all(r["matched"] for r in results)
+    # Three distinct pieces (first, middle, last): compiled once across all eight replicas.
+    assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
+        [r["counters"] for r in results]
+    )
+    ninth_out = tmp_path / "ninth"
+    ninth_out.mkdir()
+    _wait_all([_member(ninth_out, tmp_path / "local9", redis_server.url)])
+    (ninth,) = _results(ninth_out)
+    assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
+    assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
+
+
+@pytest.mark.inductor
+def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_server):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"TESSERA_REMOTE_LEASE_SECONDS": "3"}
+    first = _member(out, tmp_path / "a", redis_server.url, "--layers", "3", **env)
+    client = redis_server.client()
+    deadline = time.monotonic() + 300
+    while not list(client.scan_iter("tessera:v1:lease:*")):  # the first replica is compiling
+        assert time.monotonic() < deadline and first.poll() is None, "no lease was ever taken"
+        time.sleep(0.02)
+    second = _member(out, tmp_path / "b", redis_server.url, "--layers", "3", **env)
+    time.sleep(1.0)  # the second is waiting on the lease now
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    started = time.monotonic()
+    _wait_all([second], timeout=600)
+    (result,) = _results(out)
+    assert result["matched"] and result["counters"]["inductor_compiles"] > 0  # it took over
+    assert time.monotonic() - started < 300
+
+
+# -- signatures and faults (eager compiler: quick) ------------------------------------------------
+def _compile_and_check(root: Path, remote: str, **overrides) -> tessera.CompiledModel:
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend="eager", cache_dir=str(root), cache_remote=remote, **overrides)
+    with torch.no_grad():
+        for n in (3, 8):
+            ids, pos = toy_llama.example_inputs(n)
+            torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    return compiled
+
+
+def test_a_warm_start_from_the_remote_tier_alone(tmp_path, redis_server):
+    _compile_and_check(tmp_path / "first", redis_server.url)
+    tessera.counters.reset()
+    warm = _compile_and_check(tmp_path / "second", redis_server.url)  # a new, empty local root
+    assert warm.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
+
+
+@pytest.mark.parametrize("tamper", ["unsigned", "wrong key", "edited manifest"])
+def test_with_a_signing_key_nothing_unsigned_or_tampered_is_used(tmp_path, redis_server, monkeypatch, tamper):
+    if tamper == "unsigned":
+        _compile_and_check(tmp_path / "publisher", redis_server.url)  # published without a key
+    else:
+        key = "another key" if tamper == "wrong key" else "the fleet's real key"
+        monkeypatch.setenv("TESSERA_CACHE_SIGNING_KEY", key)
+        _compile_and_check(tmp_path / "publisher", redis_server.url)
+    client = redis_server.client()
+    if tamper == "edited manifest":
+        for key in client.scan_iter("tessera:v1:entry:*"):
+            record = json.loads(client.get(key))
+            record["body"] = record["body"].replace('"format": 1', '"format": 1 ')
+            client.set(key, json.dumps(record))
+    monkeypatch.setenv("TESSERA_CACHE_SIGNING_KEY", "the fleet's real key")
+    tessera.counters.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consumer = _compile_and_check(tmp_path / "consumer", redis_server.url)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert consumer.warm_start is False and tessera.counters.snapshot()["graphs_traced"] == 1
+    assert messages and all("signed with another key" in m or "unsigned" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("fault", ["stopped", "flushed", "unreachable"])
+def test_redis_faults_cost_one_warning_and_never_a_wrong_result(tmp_path, redis_server, fault):
+    url = redis_server.url if fault != "unreachable" else f"redis://127.0.0.1:{_free_port()}/0"
+    if fault != "unreachable":
+        _compile_and_check(tmp_path / "one", url)
+    if fault == "stopped":
+        redis_server.stop()
+    elif fault == "flushed":
+        redis_server.client().flushall()
+    tessera.counters.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compile_and_check(tmp_path / "two", url)
+        _compile_and_check(tmp_path / "three", url)
+    messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert len(messages) == (0 if fault == "flushed" else 1), messages
+    assert tessera.counters.snapshot()["graphs_traced"] >= 1
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_remote_timing_variable_is_a_config_error_naming_it(monkeypatch, value):
+    monkeypatch.setenv("TESSERA_REMOTE_LEASE_SECONDS", value)
+    with pytest.raises(tessera.ConfigError, match="TESSERA_REMOTE_LEASE_SECONDS"):
+        RemoteTier("redis://127.0.0.1:1/0")
+
+
+def test_an_evicted_blob_is_a_miss_not_a_failure(tmp_path, redis_server):
+    _compile_and_check(tmp_path / "one", redis_server.url)
+    client = redis_server.client()
+    for key in list(client.scan_iter("tessera:v1:blob:*"))[:1]:  # maxmemory evicted one file
+        client.delete(key)
+    tessera.counters.reset()
+    again = _compile_and_check(tmp_path / "two", redis_server.url)
+    assert again.warm_start is False and tessera.counters.snapshot()["graphs_traced"] == 1
+
+
+# -- ranks ----------------------------------------------------------------------------------------
+def _torchrun(tmp_path: Path, out: Path, *args: str) -> None:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "shared-root"), PYTHONPATH=str(ROOT))
+    env.pop("TESSERA_CACHE_REMOTE", None)
+    cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(_free_port())]
+    cmd += ["-m", "tests.run_fleet_member", str(out), "--distributed", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.inductor
+def test_four_ranks_with_identical_graphs_compile_once(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun(tmp_path, out)
+    results = _results(out)
+    assert len(results) == 4 and all(r["matched"] for r in results)
+    assert sum(r["counters"]["inductor_compiles"] for r in results) == 3  # one rank's compiles
+
+
+def test_four_ranks_with_different_graphs_still_work(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _torchrun(tmp_path, out, "--backend", "eager", "--rank-width")
+    results = _results(out)
+    assert len(results) == 4 and all(r["matched"] for r in results)
+    assert all(r["counters"]["graphs_traced"] == 1 for r in results)
+
+
+# -- baking a cache into an image -----------------------------------------------------------------
+def test_export_then_import_into_another_root_starts_warm(tmp_path):
+    source = tmp_path / "source"
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend="eager", cache_dir=str(source), prefix="backbone")
+    with torch.no_grad():
+        compiled(*toy_llama.example_inputs(5))
+    archive = tmp_path / "image.tar"
+    assert export(source, archive, prefixes=["backbone"]) == 1
+    target = tmp_path / "elsewhere" / "root"
+    assert import_(target, archive) == 1
+    tessera.counters.reset()
+    warm = tessera.compile(model, backend="eager", cache_dir=str(target), prefix="backbone")
+    with torch.no_grad():
+        torch.testing.assert_close(warm(*toy_llama.example_inputs(9)), model(*toy_llama.example_inputs(9)))
+    assert warm.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
+
+
+def test_import_refuses_paths_outside_the_root_and_damaged_entries(tmp_path):
+    evil = tmp_path / "evil.tar"
+    payload = tmp_path / "payload"
+    payload.write_text("x")
+    with tarfile.open(evil, "w") as tar:
+        tar.add(payload, arcname="../../escaped")
+    with pytest.raises(CacheError, match="outside the cache root"):
+        import_(tmp_path / "root", evil)
+    assert not (tmp_path / "escaped").exists()
+    source = tmp_path / "source"
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend="eager", cache_dir=str(source))
+    with torch.no_grad():
+        compiled(*toy_llama.example_inputs(5))
+    (compiled.cache_dir / "computation_graph.py").write_text("tampered")
+    archive = tmp_path / "damaged.tar"
+    export(source, archive)
+    with pytest.raises(CacheError, match="nothing imported"):
+        import_(tmp_path / "root2", archive)
+    assert not list((tmp_path / "root2").glob("*/rank_*"))
