@@ -177,10 +177,6 @@ class InductorCompiler:
             from tessera.passes import pass_manager
 
             patches["post_grad_custom_post_pass"] = pass_manager(config.passes, size)
-            # Inductor's FX graph cache would serve an earlier process's output without running
-            # the passes; a pass is promised a call per compile (it may count, log or check),
-            # and tessera's own cache already makes the next start warm.
-            patches["fx_graph_cache"] = False
         if config.graph_partition:
             from tessera.split import default_splitting_ops, partition_op_names
 

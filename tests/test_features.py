@@ -77,6 +77,18 @@ def test_a_pass_runs_once_per_compile_and_sees_the_size():
 
 
 @pytest.mark.inductor
+def test_a_pass_runs_even_when_inductor_has_compiled_the_same_graph_before():
+    # The first compile leaves the graph in Inductor's own cache; tessera's cache is off, so the
+    # second is a compile too and its pass must see it.
+    for _ in range(2):
+        recording = RecordingPass()
+        compiled = tessera.compile(mlp, backend="inductor", passes=[recording], disable_cache=True)
+        x, w = torch.randn(5, 8), torch.randn(8, 8)
+        torch.testing.assert_close(compiled(x, w), mlp(x, w))
+        assert recording.sizes == [None]
+
+
+@pytest.mark.inductor
 def test_the_shipped_dedup_pass_rewrites_the_toy_llama_and_keeps_its_numbers():
     dedup = DeduplicatePass()
     model = toy_llama.build(num_layers=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,11 +36,16 @@ def compiling_size() -> Size:
 def pass_manager(passes: Sequence[Any], size: Size) -> Any:
     """Inductor's ``post_grad_custom_post_pass`` for one compile: runs ``passes`` at ``size``.
 
-    Built on Inductor's ``CustomGraphPass`` (torch 2.11-2.13) so that Inductor's FX graph cache
-    keys on it; the size is part of its uuid, since the general artifact and a range share one
-    graph but a pass may rewrite them differently.
+    Built on Inductor's ``CustomGraphPass`` (torch 2.11-2.13), whose ``uuid()`` enters Inductor's
+    FX graph cache key. Ours is new for every compile: a hit in Inductor's cache (an earlier
+    process, the same graph) would return its output without running the passes, and a pass is
+    promised a call per compile (it may count, log or check). Turning that cache off instead would
+    also stop Inductor from producing the artifact tessera saves. Which passes ran is in tessera's
+    own key (each pass's ``uuid()``), so unchanged passes still start warm from tessera's cache.
     """
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    nonce = uuid.uuid4().hex
 
     class PassManager(CustomGraphPass):  # type: ignore[misc]
         def __call__(self, graph: torch.fx.Graph) -> None:
@@ -56,7 +62,7 @@ def pass_manager(passes: Sequence[Any], size: Size) -> Any:
             graph.lint()
 
         def uuid(self) -> str:
-            parts = [str(p.uuid()) for p in passes] + [size_label(size)]
+            parts = [str(p.uuid()) for p in passes] + [size_label(size), nonce]
             return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     return PassManager()
