@@ -6,7 +6,10 @@ Also the dispatch overhead of tessera with the ``eager`` compiler on a 12-layer 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
+import time
 from typing import Any
 
 import torch
@@ -17,17 +20,18 @@ from tessera.models import toy_llama
 from tessera.timing import per_call_seconds
 
 SIZES = (1, 16, 64)
+INDUCTOR_MODEL: dict[str, Any] = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+}
 
 
 def inductor_latency(repeats: int) -> dict[str, Any]:
     """Toy Llama (4 layers, width 256): per-call seconds for eager, stock and tessera."""
-    sizes: dict[str, Any] = {
-        "num_layers": 4,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_heads": 8,
-        "num_kv_heads": 4,
-    }
+    sizes = INDUCTOR_MODEL
     model = toy_llama.build(**sizes)
     ours = tessera.compile(model, backend="inductor", compile_sizes=list(SIZES), disable_cache=True)
     stock = torch.compile(model, backend="inductor", dynamic=True)
@@ -108,6 +112,48 @@ def _check_alone_us(compiled: Any) -> float:
     return best / number * 1e6
 
 
+def _variant_latency(name: str, repeats: int, **options: Any) -> dict[str, Any]:
+    """Cold compile seconds and per-call latency of one way of compiling the 4-layer toy Llama."""
+    model = toy_llama.build(**INDUCTOR_MODEL)
+    compiled = tessera.compile(model, backend="inductor", disable_cache=True, **options)
+    # An empty Inductor cache directory: every variant's cold compile is a real one, whatever ran
+    # before (Inductor reads the variable at each cache access).
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="tessera-variant-") as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                compiled(*toy_llama.example_inputs(8))
+            cold = time.perf_counter() - start
+        finally:
+            if previous is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    row: dict[str, Any] = {"variant": name, "options": options, "cold_compile_seconds": cold}
+    for n in SIZES:
+        row[f"ms_{n}_tokens"] = (
+            per_call_seconds(compiled, *toy_llama.example_inputs(n), repeats=repeats) * 1e3
+        )
+    return row
+
+
+def variants(repeats: int) -> list[dict[str, Any]]:
+    """Piecewise (backed, the default) against graph partition and the other dynamic-shape modes."""
+    model = toy_llama.build(**INDUCTOR_MODEL)
+    eager: dict[str, Any] = {"variant": "eager (reference)"}
+    for n in SIZES:
+        eager[f"ms_{n}_tokens"] = per_call_seconds(model, *toy_llama.example_inputs(n), repeats=repeats) * 1e3
+    return [
+        eager,
+        _variant_latency("piecewise, backed", repeats),
+        _variant_latency("graph partition", repeats, graph_partition=True),
+        _variant_latency("piecewise, unbacked", repeats, dynamic_shapes="unbacked"),
+        _variant_latency("piecewise, backed_size_oblivious", repeats, dynamic_shapes="backed_size_oblivious"),
+    ]
+
+
 def main(quick: bool = False) -> int:
     repeats = 5 if quick else 15
     torch.manual_seed(0)
@@ -115,6 +161,7 @@ def main(quick: bool = False) -> int:
         **header("steady_state"),
         "dispatch_overhead": dispatch_overhead(repeats),
         "inductor": inductor_latency(repeats),
+        "variants": variants(repeats),
     }
     json.dump(result, sys.stdout, indent=2)
     print()
