@@ -132,6 +132,9 @@ class CacheEntry:
         self.index = Index(created=time.time())
         self.existed = False
         self._lock = filelock.FileLock(str(path / ".lock"))
+        # Files whose checksum this process verified, with the stat they had then: identical
+        # layers share one file, which is hashed once per start, not once per layer.
+        self._verified: dict[tuple[str, str], tuple[int, int, int]] = {}
 
     @classmethod
     def create(
@@ -341,7 +344,20 @@ class CacheEntry:
             self.index.entries[key] = record
 
     def check(self, record: FileRecord) -> str | None:
-        return check_file(self.path, record)
+        """``check_file``, hashing each unchanged file at most once in this process."""
+        if not record.file:
+            return None
+        try:
+            st = (self.path / record.file).stat()
+        except OSError:
+            st = None
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None
+        if stamp is not None and self._verified.get((record.file, record.sha256)) == stamp:
+            return None
+        problem = check_file(self.path, record)
+        if problem is None and stamp is not None:
+            self._verified[(record.file, record.sha256)] = stamp
+        return problem
 
     def forget(self, key: IndexKey) -> None:
         self.index.entries.pop(key, None)
