@@ -24,8 +24,9 @@ _EXPORTS = {
     "TesseraError": "tessera.errors",
     "UnsupportedModelError": "tessera.errors",
     "compile": "tessera.api",
-    "counters": "tessera.counters",
 }
+# Submodules reachable as attributes (``tessera.passes.DeduplicatePass``), imported on first use.
+_SUBMODULES = frozenset({"counters", "debug", "hf", "passes"})
 
 __all__ = [
     "CacheError",
@@ -41,10 +42,12 @@ __all__ = [
     "UnsupportedModelError",
     "compile",
     "counters",
+    "debug",
+    "passes",
 ]
 
 if TYPE_CHECKING:
-    from tessera import counters
+    from tessera import counters, debug, passes
     from tessera.api import CompiledModel, compile
     from tessera.config import CompileConfig, SizeRange
     from tessera.errors import (
@@ -60,11 +63,13 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"tessera.{name}")
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tessera' has no attribute {name!r}")
-    value = importlib.import_module(module)
-    if name != "counters":
-        value = getattr(value, name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -7,6 +7,7 @@ call behind the check of what that trace assumed (guards.py) and the root module
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
@@ -225,8 +226,12 @@ class CompiledModel:
             return self._compile_first(*args, **kwargs)
 
     def _compile_first(self, *args: Any, **kwargs: Any) -> Any:
-        if RECORDER is not None:
-            self.first_call = (args, dict(kwargs))
+        if RECORDER is not None:  # kept for bisection: a copy, since the caller may reuse its buffers
+            try:
+                self.first_call = copy.deepcopy((args, dict(kwargs)))
+            except Exception as e:  # an argument that cannot be copied: keep what was passed
+                log.info("%s: first call kept by reference for bisection (%s)", self.name, e)
+                self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
         self._counters_before = counters.snapshot()
         output, call = self._compile(args, kwargs)

@@ -139,6 +139,13 @@ class CompileConfig:
                 f"needs backend='inductor' and mode='piecewise' (got backend={self.backend!r}, "
                 f"mode={self.mode!r})"
             )
+        if self.graph_partition and self.cudagraph_mode == "piecewise":
+            # The one partitioned piece would be captured whole, attention and padding included.
+            raise ConfigError(
+                "graph_partition=True with cudagraph_mode='piecewise' would capture the whole graph, "
+                "attention included, like cudagraph_mode='full'; use graph_partition=False for "
+                "piecewise CUDA graphs, or cudagraph_mode='full' or 'none'"
+            )
 
     @property
     def ranges(self) -> tuple[SizeRange, ...]:

@@ -130,8 +130,12 @@ def _entry(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def entry_frame() -> types.FunctionType:
     """A fresh copy of the frame tessera traces: it calls the model, so Dynamo inlines the model's
     forward even where that lives in torch (``nn.Sequential``), and the root's hooks stay out of the
-    graph (hooks.py runs them). One copy per model: Dynamo keeps its state per code object."""
-    return types.FunctionType(_entry.__code__.replace(), _entry.__globals__, "tessera_entry")
+    graph (hooks.py runs them). One copy per model: Dynamo keeps its state per code object, and
+    installs its compiled graph and module aliases in the frame's globals, so each copy has its own
+    globals too (a module's shared dict would mix models, and Dynamo refuses an alias it finds
+    already bound to something else)."""
+    namespace = {"__builtins__": _entry.__globals__["__builtins__"], "__name__": __name__}
+    return types.FunctionType(_entry.__code__.replace(), namespace, "tessera_entry")
 
 
 @dataclass(frozen=True)
@@ -334,11 +338,13 @@ def rebuild_call(
     code = _restore_constants(marshal.loads(portable.code), dict(portable.constants), ())
     if code.co_freevars:
         raise NotPortable("the saved bytecode expects a closure")
-    namespace = entry.__globals__
+    # A copy: the stand-ins for Dynamo's modules must not be in the entry frame's own globals,
+    # where a later trace of it (a re-trace, bisection) would find them in place of the real ones.
+    namespace = dict(entry.__globals__)
     for name, module in portable.modules:
         namespace[name] = _compat.module_for_bytecode(module)
     for name, blob in portable.objects:
         namespace[name] = pickle.loads(blob)
-    # Dynamo installs its compiled graph the same way: a uniquely named global of the module.
+    # Dynamo installs its compiled graph the same way: a uniquely named global of the frame.
     namespace[portable.compiled_fn] = graph_callable
-    return _as_function(code, entry)
+    return types.FunctionType(code, namespace, entry.__name__)

@@ -91,6 +91,11 @@ def test_eight_processes_at_once_then_a_ninth_compiles_nothing(tmp_path, backend
     for proc, (_, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err[-3000:]
         assert "CacheDamagedWarning" not in err
+    # One process compiles while the others wait on the entry's compile lock and then load:
+    # the two compiled pieces of the one-layer toy are compiled once in all.
+    counts = [json.loads(out.strip().splitlines()[-1])["counters"] for out, _ in results]
+    compiles = "inductor_compiles" if backend == "inductor" else "eager_compiles"
+    assert sum(c[compiles] for c in counts) == 2, counts
     verified = cli(cache, "verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
     ninth = run_toy(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,6 +115,14 @@ def test_dedup_pass_merges_pure_duplicates_only():
     assert targets.count(torch.ops.aten.sin.default) == 1 and targets.count(torch.ops.aten.rand.default) == 2
 
 
+def test_passes_and_debug_are_reachable_from_the_package():
+    code = "import tessera; print(tessera.passes.DeduplicatePass.__name__, tessera.debug.bisect.__name__)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.split() == ["DeduplicatePass", "bisect"]
+
+
 def test_passes_need_a_compiler_that_runs_them():
     with pytest.raises(tessera.ConfigError, match="passes run on Inductor's post-grad graph"):
         tessera.compile(mlp, backend="eager", passes=[RecordingPass()])
@@ -153,6 +163,8 @@ def test_graph_partition_on_a_hugging_face_model():
 def test_graph_partition_needs_inductor_and_piecewise():
     with pytest.raises(tessera.ConfigError, match="graph_partition=True"):
         tessera.CompileConfig(graph_partition=True, backend="eager")
+    with pytest.raises(tessera.ConfigError, match="cudagraph_mode='piecewise'"):
+        tessera.CompileConfig(graph_partition=True, cudagraph_mode="piecewise")
 
 
 # -- dynamic-shape modes --------------------------------------------------------------------------

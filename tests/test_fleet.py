@@ -5,6 +5,7 @@ A real redis-server runs on a loopback port (``make test`` installs it when miss
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -159,8 +160,10 @@ def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_se
 
 
 # -- signatures and faults (eager compiler: quick) ------------------------------------------------
-def _compile_and_check(root: Path, remote: str, **overrides) -> tessera.CompiledModel:
-    model = toy_llama.build(num_layers=1)
+def _compile_and_check(
+    root: Path, remote: str, model_overrides: dict | None = None, **overrides
+) -> tessera.CompiledModel:
+    model = toy_llama.build(num_layers=1, **(model_overrides or {}))
     compiled = tessera.compile(model, backend="eager", cache_dir=str(root), cache_remote=remote, **overrides)
     with torch.no_grad():
         for n in (3, 8):
@@ -198,6 +201,43 @@ def test_with_a_signing_key_nothing_unsigned_or_tampered_is_used(tmp_path, redis
     messages = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     assert consumer.warm_start is False and tessera.counters.snapshot()["graphs_traced"] == 1
     assert messages and all("signed with another key" in m or "unsigned" in m for m in messages), messages
+
+
+def test_a_signed_pointer_replayed_under_another_model_is_refused(tmp_path, redis_server, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_SIGNING_KEY", "the fleet's real key")
+    client = redis_server.client()
+    _compile_and_check(tmp_path / "a", redis_server.url)
+    (pointer_a,) = client.scan_iter("tessera:v1:warm:*")
+    other = {"eps": 0.5}  # another model: another fingerprint, other numbers
+    _compile_and_check(tmp_path / "b", redis_server.url, model_overrides=other)
+    (pointer_b,) = set(client.scan_iter("tessera:v1:warm:*")) - {pointer_a}
+    client.set(pointer_b, client.get(pointer_a))  # someone without the key copies A's pointer
+    tessera.counters.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        consumer = _compile_and_check(tmp_path / "c", redis_server.url, model_overrides=other)
+    assert consumer.warm_start is False and tessera.counters.snapshot()["graphs_traced"] == 1
+    assert any("names another model" in str(w.message) for w in caught)
+
+
+def test_a_manifest_naming_a_file_outside_the_entry_writes_nothing_there(tmp_path, redis_server):
+    _compile_and_check(tmp_path / "publisher", redis_server.url)
+    client = redis_server.client()
+    payload = b"echo owned"
+    sha = hashlib.sha256(payload).hexdigest()
+    client.set(f"tessera:v1:blob:{sha}", payload)
+    for key in client.scan_iter("tessera:v1:entry:*"):  # no signing key: trusted as configured
+        record = json.loads(client.get(key))
+        body = json.loads(record["body"])
+        body["files"]["../../../escaped.sh"] = sha
+        record["body"] = json.dumps(body, sort_keys=True)
+        client.set(key, json.dumps(record))
+    client.delete(*client.scan_iter("tessera:v1:warm:*"))  # no pointer: the entry is fetched by key
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compile_and_check(tmp_path / "consumer", redis_server.url)
+    assert not list(tmp_path.rglob("escaped.sh"))
+    assert any("malformed" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("fault", ["stopped", "flushed", "unreachable"])
@@ -275,6 +315,9 @@ def test_export_then_import_into_another_root_starts_warm(tmp_path):
         compiled(*toy_llama.example_inputs(5))
     archive = tmp_path / "image.tar"
     assert export(source, archive, prefixes=["backbone"]) == 1
+    full_key = compiled._backend.store.key
+    assert len(full_key) > 10 and export(source, tmp_path / "by-key.tar", keys=[full_key]) == 1
+    assert export(source, tmp_path / "none.tar", keys=["f" * 64 if full_key[0] != "f" else "0" * 64]) == 0
     target = tmp_path / "elsewhere" / "root"
     assert import_(target, archive) == 1
     tessera.counters.reset()

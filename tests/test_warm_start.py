@@ -103,6 +103,57 @@ def test_warm_start_with_the_eager_compiler_skips_dynamo():
     assert [p.is_splitting for p in warm.pieces] == [p.is_splitting for p in cold.pieces]
 
 
+def test_identical_attention_layers_are_one_source_in_the_whole_model_artifact():
+    from tessera.cache import artifact
+    from tessera.cache.store import CacheEntry
+
+    model = toy_llama.build(num_layers=4)
+    cold = _compile_and_check(model)
+    saved = artifact.loads(CacheEntry.open_existing(cold.cache_dir).read_model())
+    assert len(saved.modules) == 4  # one splitting piece per layer, built from one source
+    assert len({module.source for _, module in saved.modules}) == 1
+    assert all(module.code is not None for _, module in saved.modules)
+    tessera.counters.reset()
+    warm = _compile_and_check(model)  # and the shared source runs every layer right
+    assert warm.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
+
+
+WARM_THEN_TRACE = """
+import torch, tessera
+from tessera.models import toy_llama
+model = toy_llama.build(num_layers=1)
+first = tessera.compile(model, backend="eager")
+other = toy_llama.build(num_layers=2)
+second = tessera.compile(other, backend="eager", disable_cache=True)  # always traced
+with torch.no_grad():
+    for compiled, eager in ((first, model), (second, other)):
+        args = toy_llama.example_inputs(9)
+        torch.testing.assert_close(compiled(*args), eager(*args))
+print("warm" if first.warm_start else "cold")
+"""
+
+
+def test_a_trace_after_a_warm_start_in_the_same_process(tmp_path):
+    # A warm start binds stand-ins for Dynamo's modules; a later trace must see the real ones.
+    script = tmp_path / "warm_then_trace.py"
+    script.write_text(WARM_THEN_TRACE)
+    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    runs = [
+        subprocess.run(
+            [sys.executable, str(script)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        for _ in range(2)
+    ]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
+    assert [r.stdout.split()[0] for r in runs] == ["cold", "warm"]
+
+
 MODEL_SOURCE = """
 import torch
 

@@ -30,7 +30,8 @@ def export(root: Path, archive: Path, prefixes: Sequence[str] = (), keys: Sequen
         e
         for e in find_entries(root)
         if (not prefixes or e.name in prefixes)
-        and (not keys or any(e.parents[1].name.startswith(k) for k in keys))
+        # Key folders hold the first 10 hex digits: a full key or any prefix of one selects them.
+        and (not keys or any(e.parents[1].name.startswith(k[:10]) for k in keys))
     ]
     chosen = {e.relative_to(root).as_posix() for e in entries}
     with tarfile.open(archive, "w") as tar:

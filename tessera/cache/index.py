@@ -127,7 +127,7 @@ def parse(text: str) -> Index:
     ):
         raise ValueError("'files' is not a dict of name -> sha256")
     for name in files:
-        _check_relative(name, f"file {name!r}")
+        check_relative(name, f"file {name!r}")
     model = data.get("model")
     return Index(
         created=float(created),
@@ -164,13 +164,14 @@ def _file_record(value: Any, what: str) -> FileRecord:
     ):
         raise ValueError(f"{what} lacks file/sha256/size")
     if value["file"]:
-        _check_relative(value["file"], what)
+        check_relative(value["file"], what)
     return FileRecord(value["file"], value["sha256"], value["size"])
 
 
-def _check_relative(name: str, what: str) -> None:
+def check_relative(name: str, what: str) -> None:
+    """ValueError unless ``name`` is a plain relative path inside an entry."""
     path = PurePosixPath(name)
-    if path.is_absolute() or ".." in path.parts or "\\" in name:
+    if not path.parts or path.is_absolute() or ".." in path.parts or "\\" in name:
         raise ValueError(f"{what} points outside the cache entry")
 
 

@@ -26,8 +26,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import filelock
+
 from tessera.cache import trust
-from tessera.cache.index import parse
+from tessera.cache.index import Index, check_relative, parse
 from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.errors import ConfigError
 from tessera.validation import env_seconds
@@ -166,12 +168,7 @@ class RemoteTier:
             index = read_index(entry)
         except (OSError, ValueError, SyntaxError):
             return False
-        files = dict(index.files)
-        for record in index.entries.values():
-            if record.file:
-                files[record.file] = record.sha256
-        if index.model is not None:
-            files[MODEL] = index.model.sha256
+        files = _file_checksums(index)
         for name, sha in files.items():
             blob = f"{NAMESPACE}blob:{sha}"
             if self._call("checking a blob", self.store.exists, blob):
@@ -191,14 +188,28 @@ class RemoteTier:
         """Download an entry into the local cache, every file checked; False if it is not there."""
         raw = self._call("fetching an entry", self.store.get, self._entry_key(key, prefix))
         manifest = self._unwrap(raw, f"entry {key[:10]}/{prefix}")
-        if manifest is None or manifest.get("key") != key or not isinstance(manifest.get("files"), dict):
-            return False
+        if manifest is None or (manifest.get("format"), manifest.get("key"), manifest.get("prefix")) != (
+            FORMAT,
+            key,
+            prefix,
+        ):
+            return False  # another format, or a record replayed under another entry's name
+        files = manifest.get("files")
         try:
+            if not isinstance(files, dict):
+                raise ValueError("'files' is not a dict")
+            for name, sha in files.items():
+                if not (isinstance(name, str) and isinstance(sha, str)):
+                    raise ValueError(f"file {name!r}: not a name and a sha256")
+                check_relative(name, f"file {name!r}")  # never a write outside the entry
             index = parse(str(manifest["index"]))
-        except (ValueError, SyntaxError):
+        except (ValueError, SyntaxError, KeyError) as e:
+            trust.warn_once(
+                Path(self.url), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
+            )
             return False
         fetched: dict[str, bytes] = {}
-        for name, sha in manifest["files"].items():
+        for name, sha in files.items():
             path = entry / name
             if path.exists() and sha256_file(path) == sha:
                 continue
@@ -208,9 +219,15 @@ class RemoteTier:
                 return False  # evicted, or not what the signed manifest vouches for
             fetched[name] = data
         try:
-            for name, data in fetched.items():
-                atomic_write(entry / name, data)
-            self._merge_index(entry, index.format())
+            # Under the entry's own lock, as every index update is; what the local index already
+            # vouches for wins, and its files are left as they are.
+            with filelock.FileLock(str(entry / ".lock"), timeout=60):
+                merged = self._merged_index(entry, index)
+                vouched = _file_checksums(merged)
+                for name, data in fetched.items():
+                    if vouched.get(name) == files[name]:
+                        atomic_write(entry / name, data)
+                atomic_write(entry / INDEX, merged.format().encode())  # last: files first
         except OSError as e:
             trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
             return False
@@ -218,24 +235,26 @@ class RemoteTier:
         return True
 
     @staticmethod
-    def _merge_index(entry: Path, remote_text: str) -> None:
-        remote = parse(remote_text)
+    def _merged_index(entry: Path, remote: Index) -> Index:
         try:
             local = read_index(entry)
         except (OSError, ValueError, SyntaxError):
-            local = None
-        merged = remote if local is None else local.merged_with(remote)
-        atomic_write(entry / INDEX, merged.format().encode())
+            return remote
+        return local.merged_with(remote)
 
     # -- pointers (model fingerprint -> entry) -----------------------------------------------------
     def publish_pointer(self, fingerprint: str, relative: str, key: str, prefix: str) -> None:
-        body = {"entry": relative, "key": key, "prefix": prefix}
+        # The fingerprint is signed too: a pointer copied under another model's name is refused.
+        body = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
         self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
 
     def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
         raw = self._call("fetching a pointer", self.store.get, f"{NAMESPACE}warm:{fingerprint}")
         body = self._unwrap(raw, f"pointer {fingerprint[:12]}")
         if body is None or not all(isinstance(body.get(k), str) for k in ("entry", "key", "prefix")):
+            return None
+        if body.get("fingerprint") != fingerprint:
+            trust.warn_once(Path(self.url), f"pointer {fingerprint[:12]} names another model", "not using it")
             return None
         relative = Path(body["entry"])
         if relative.is_absolute() or ".." in relative.parts:
@@ -290,6 +309,17 @@ class RemoteTier:
     def _renew(self, lease_key: str, token: bytes, stop: threading.Event) -> None:
         while not stop.wait(self.lease_seconds / 3):
             self._call("renewing a lease", self.store.renew, lease_key, token, self.lease_seconds)
+
+
+def _file_checksums(index: Index) -> dict[str, str]:
+    """Every file an index vouches for: name -> sha256."""
+    files = dict(index.files)
+    for record in index.entries.values():
+        if record.file:
+            files[record.file] = record.sha256
+    if index.model is not None:
+        files[MODEL] = index.model.sha256
+    return files
 
 
 def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:

@@ -40,6 +40,9 @@ def compile_turn(store: CacheEntry, needed: set[IndexKey], remote: RemoteTier | 
         log.info("compiling %s without waiting for sibling ranks (%s)", store.path, e)
         locked = False
     try:
+        # Whoever held the lock before us may have compiled what we need into this very entry
+        # (processes sharing a rank directory): read the index again before deciding.
+        store.reload()
         if _missing(store, needed):
             _take_from_siblings(store)
         if remote is not None and _missing(store, needed):
