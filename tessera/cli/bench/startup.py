@@ -3,13 +3,27 @@
 Per model: eager (the baseline, measured in the same run), tessera cold and warm, stock
 ``torch.compile`` cold and warm (Inductor's own caches) and PyTorch's mega-cache
 (``save_cache_artifacts`` / ``load_cache_artifacts``). The figure that matters is the *warm-start
-overhead*: (process start to first output) minus the same for eager. tessera's warm start is
-also broken into phases. ``--cold-scaling`` times tessera's cold compile for two layer counts.
+overhead*: (process start to first output) minus the same for eager, as the median of the
+paired differences (the runs are interleaved, so drift on the machine cancels). tessera's warm
+start is also broken into phases. ``--cold-scaling`` times tessera's cold compile for two layer
+counts.
+
+Two things would otherwise measure the machine rather than the implementations:
+
+- Every measured process runs one ``gc.collect()`` after building the model. The heap ``import
+  torch`` leaves is close to the point where CPython runs a full collection (~0.1 s here), so it
+  falls on whichever process allocates a few thousand objects first: a lottery, not a cost of
+  the path measured. Every implementation pays the collection alike, before its measured part.
+- tessera's bytecode is compiled first (``compileall``), as ``pip install`` does for a wheel: an
+  editable checkout run with ``PYTHONDONTWRITEBYTECODE`` would compile tessera's sources in every
+  process, while torch's come precompiled.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
+import gc
 import json
 import os
 import statistics
@@ -46,6 +60,7 @@ def child(impl: str, model_name: str, mega: str | None) -> None:
     import torch
 
     model, call_args, call_kwargs, dynamic = _build(model_name)
+    gc.collect()  # the full collection that is due anyway, outside the comparison (module docstring)
     marks = {"built": time.time()}
     compiled: Any = model
     report: dict[str, Any] = {}
@@ -210,8 +225,10 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
                 if name == "tessera_warm":
                     phases.append(runs[name]["phases"])
     medians = {name: statistics.median(v) for name, v in seconds.items()}
-    eager = medians["eager"]
-    overhead = {impl: medians[f"{impl}_warm"] - eager for impl in ("tessera", "stock", "megacache")}
+    overhead = {
+        impl: statistics.median(w - e for w, e in zip(seconds[f"{impl}_warm"], seconds["eager"], strict=True))
+        for impl in ("tessera", "stock", "megacache")
+    }
     return {
         "model": model,
         "seconds_median": medians,
@@ -291,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_load_paths:
         child_load_paths(args.child_load_paths)
         return 0
+    import tessera
+
+    compileall.compile_dir(Path(tessera.__file__).parent, quiet=1)  # as a wheel install would
     result: dict[str, Any] = {
         **header("startup"),
         "toy_width": TOY_WIDTH,
