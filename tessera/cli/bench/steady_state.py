@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -112,8 +113,8 @@ def _check_alone_us(compiled: Any) -> float:
     return best / number * 1e6
 
 
-def _variant_latency(name: str, repeats: int, **options: Any) -> dict[str, Any]:
-    """Cold compile seconds and per-call latency of one way of compiling the 4-layer toy Llama."""
+def _cold_compile(options: dict[str, Any]) -> tuple[Any, float]:
+    """One way of compiling the 4-layer toy Llama, compiled on an empty Inductor cache; its seconds."""
     model = toy_llama.build(**INDUCTOR_MODEL)
     compiled = tessera.compile(model, backend="inductor", disable_cache=True, **options)
     # An empty Inductor cache directory: every variant's cold compile is a real one, whatever ran
@@ -131,27 +132,40 @@ def _variant_latency(name: str, repeats: int, **options: Any) -> dict[str, Any]:
                 del os.environ["TORCHINDUCTOR_CACHE_DIR"]
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
-    row: dict[str, Any] = {"variant": name, "options": options, "cold_compile_seconds": cold}
-    for n in SIZES:
-        row[f"ms_{n}_tokens"] = (
-            per_call_seconds(compiled, *toy_llama.example_inputs(n), repeats=repeats) * 1e3
-        )
-    return row
+    return compiled, cold
+
+
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("piecewise, backed", {}),
+    ("graph partition", {"graph_partition": True}),
+    ("piecewise, unbacked", {"dynamic_shapes": "unbacked"}),
+    ("piecewise, backed_size_oblivious", {"dynamic_shapes": "backed_size_oblivious"}),
+)
 
 
 def variants(repeats: int) -> list[dict[str, Any]]:
-    """Piecewise (backed, the default) against graph partition and the other dynamic-shape modes."""
-    model = toy_llama.build(**INDUCTOR_MODEL)
-    eager: dict[str, Any] = {"variant": "eager (reference)"}
-    for n in SIZES:
-        eager[f"ms_{n}_tokens"] = per_call_seconds(model, *toy_llama.example_inputs(n), repeats=repeats) * 1e3
-    return [
-        eager,
-        _variant_latency("piecewise, backed", repeats),
-        _variant_latency("graph partition", repeats, graph_partition=True),
-        _variant_latency("piecewise, unbacked", repeats, dynamic_shapes="unbacked"),
-        _variant_latency("piecewise, backed_size_oblivious", repeats, dynamic_shapes="backed_size_oblivious"),
-    ]
+    """Piecewise (backed, the default) against graph partition and the other dynamic-shape modes.
+
+    Everything is compiled first; then each round times every variant at every size in turn, and a
+    figure is the median over the rounds. Timing one variant after another let whatever the
+    machine did meanwhile (Inductor's compile workers settling, another process) land on one
+    variant alone and read as a difference between modes.
+    """
+    rows: list[dict[str, Any]] = [{"variant": "eager (reference)"}]
+    fns: list[Any] = [toy_llama.build(**INDUCTOR_MODEL)]
+    for name, options in VARIANTS:
+        compiled, cold = _cold_compile(options)
+        rows.append({"variant": name, "options": options, "cold_compile_seconds": cold})
+        fns.append(compiled)
+    samples: dict[tuple[int, int], list[float]] = {}
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            for n in SIZES:
+                seconds = per_call_seconds(fn, *toy_llama.example_inputs(n), warmup=1, repeats=1)
+                samples.setdefault((i, n), []).append(seconds)
+    for (i, n), values in samples.items():
+        rows[i][f"ms_{n}_tokens"] = statistics.median(values) * 1e3
+    return rows
 
 
 def main(quick: bool = False) -> int:
