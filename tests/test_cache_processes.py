@@ -12,33 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(cache: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, TESSERA_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
-    env.update(extra)
-    return env
-
-
-def run_toy(cache: Path, out: Path, *args: str, **env: str) -> dict:
-    proc = subprocess.run(  # noqa: PLW1510 (return codes are asserted)
-        [sys.executable, "-m", "tests.run_toy", str(out), *args],
-        cwd=ROOT,
-        env=_env(cache, **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from tests.child import ROOT, child_env, run_toy
 
 
 def cli(cache: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: PLW1510 (return codes are asserted)
         [sys.executable, "-m", "tessera", "cache", *args],
         cwd=cwd,
-        env=_env(cache),
+        env=child_env(cache),
         capture_output=True,
         text=True,
         timeout=600,
@@ -74,7 +55,7 @@ def test_eight_processes_at_once_then_a_ninth_compiles_nothing(tmp_path, backend
         subprocess.Popen(
             [sys.executable, "-m", "tests.run_toy", str(tmp_path / f"out{i}.pt"), *args],
             cwd=ROOT,
-            env=_env(cache),
+            env=child_env(cache),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -141,7 +122,7 @@ def test_editing_a_file_the_forward_calls_misses_and_explain_names_it(tmp_path):
     (src / "script.py").write_text(SCRIPT)
 
     def run() -> str:
-        env = _env(cache)
+        env = child_env(cache)
         env["PYTHONPATH"] = f"{src}{os.pathsep}{ROOT}"
         proc = subprocess.run(  # noqa: PLW1510 (return codes are asserted)
             [sys.executable, "script.py"], cwd=src, env=env, capture_output=True, text=True, timeout=300

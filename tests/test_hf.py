@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +9,7 @@ import torch
 
 import tessera
 from tessera import hf
+from tests.child import run_json
 
 transformers = pytest.importorskip("transformers", reason="install tessera[hf] (make test does)")
 
@@ -121,18 +118,7 @@ def test_data_dependent_branch_names_cause_and_source_line():
 
 
 def _run_hf(tmp_path: Path, family: str, backend: str, out: str) -> dict:
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(root))
-    proc = subprocess.run(  # noqa: PLW1510 (the return code is asserted)
-        [sys.executable, "-m", "tests.run_hf", family, backend, str(tmp_path / out)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json("tests.run_hf", family, backend, str(tmp_path / out), cache=tmp_path / "cache")
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from tessera.cache.tools import clear, find_entries, prune, stray_temp_files, ve
 from tessera.errors import CacheWarning, TesseraWarning
 from tessera.guards import InputMismatchError
 from tessera.models import toy_llama
+from tests.child import run_module
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 OTHER_UID = 65534  # "nobody": the second user of the ownership tests
@@ -264,14 +265,9 @@ def test_disk_full_while_saving_the_whole_model_artifact(tmp_path, monkeypatch):
 
 def _toy_process(root: Path, out: Path) -> subprocess.CompletedProcess[str]:
     """A separate process runs the toy model (this one must not hold the entry in use)."""
-    import sys
-
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TESSERA_CACHE_DIR=str(root), PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "tests.run_toy", str(out), "--backend", "eager", "--layers", "1"]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return run_module(
+        "tests.run_toy", str(out), "--backend", "eager", "--layers", "1", cache=root, timeout=300
+    )
 
 
 def _dead_pid() -> int:

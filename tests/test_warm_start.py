@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,8 +16,7 @@ import tessera
 from tessera.cache import index
 from tessera.cache.store import INDEX
 from tessera.models import toy_llama
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.child import ROOT, child_env, run_toy
 
 
 def test_import_tessera_imports_neither_dynamo_nor_inductor():
@@ -57,19 +55,10 @@ def test_index_round_trips_and_rejects_wrong_types():
 @pytest.mark.inductor
 def test_identical_layers_compile_and_store_once_on_an_empty_inductor_cache(tmp_path):
     """Eight layers, three distinct pieces (first, middle x7, last): three compiles, three files."""
-    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
     args = ["--layers", "8", "--compile-sizes", "", "--sizes", "5,12", "--backend", "inductor"]
-    proc = subprocess.run(  # noqa: PLW1510 (the return code is asserted)
-        [sys.executable, "-m", "tests.run_toy", str(tmp_path / "out.pt"), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    report = run_toy(
+        tmp_path / "cache", tmp_path / "out.pt", *args, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor")
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
     counts = report["counters"]
     assert counts["compiled_pieces"] == 9 and counts["inductor_compiles"] == 3
     assert counts["backend_compilations"] == 9 and counts["cache_hits"] == 6  # twins share
@@ -137,7 +126,7 @@ def test_a_trace_after_a_warm_start_in_the_same_process(tmp_path):
     # A warm start binds stand-ins for Dynamo's modules; a later trace must see the real ones.
     script = tmp_path / "warm_then_trace.py"
     script.write_text(WARM_THEN_TRACE)
-    env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    env = child_env(tmp_path / "cache")
     runs = [
         subprocess.run(
             [sys.executable, str(script)],
