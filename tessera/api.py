@@ -296,7 +296,10 @@ class CompiledModel:
                 self._backend, self.warm_start = backend, True
                 self.startup_phases.update(backend.phases)
                 start = time.perf_counter()
-                output = self._install(functools.partial(call, self._target), spec)(*args, **kwargs)
+                self._install(functools.partial(call, self._target), spec)
+                # The forward itself: the root hooks already wrap this first call (_first_call),
+                # and _fits has checked and normalised its arguments.
+                output = self._fast(*args, **kwargs)
                 self.startup_phases["first_call"] = time.perf_counter() - start
                 return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]

@@ -139,6 +139,21 @@ def test_root_forward_and_pre_hooks_change_the_output_as_in_eager():
     run_toy(tessera.compile(hooked, backend="eager"), hooked)
 
 
+def test_root_hooks_run_once_on_the_first_call_of_a_warm_start(tmp_path):
+    def hooked() -> torch.nn.Module:
+        model = toy_llama.build(num_layers=1)
+        model.register_forward_pre_hook(lambda module, args: (args[0].flip(0), args[1]))
+        model.register_forward_hook(lambda module, args, out: out * 2 + 1)
+        return model
+
+    cold = hooked()
+    run_toy(tessera.compile(cold, backend="eager", cache_dir=str(tmp_path)), cold)
+    model = hooked()
+    warm = tessera.compile(model, backend="eager", cache_dir=str(tmp_path))
+    run_toy(warm, model)  # the first call of the two is the one the warm start serves
+    assert warm.warm_start is True
+
+
 def test_backward_hooks_are_refused_clearly():
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend="eager")
