@@ -54,7 +54,7 @@ class CallSpec:
         out = []
         wrong_type: list[str] = []  # paths whose type differs: their dtype etc. say nothing more
         for assumption in self.assumptions:
-            if any(assumption.expr.startswith(p) or f"({p})" in assumption.expr for p in wrong_type):
+            if any(_about(assumption.expr, p) for p in wrong_type):
                 continue
             try:
                 found = eval(
@@ -67,6 +67,13 @@ class CallSpec:
                 if assumption.expr.startswith("type(") and assumption.expr.endswith(")"):
                     wrong_type.append(assumption.expr[5:-1])
         return out
+
+
+def _about(expr: str, path: str) -> bool:
+    """Whether ``expr`` reads ``path`` (``args[1].dtype``, ``len(args[1])``; not ``args[10]``)."""
+    return f"({path})" in expr or (
+        expr.startswith(path) and expr[len(path) : len(path) + 1] in ("", ".", "[")
+    )
 
 
 class _Missing:
@@ -188,6 +195,9 @@ def _describe(
             if d not in dims:
                 yield Assumption(f"{path}.shape[{d}]", int(size), f"{name}: size of dim {d} (static)")
     elif isinstance(value, _SCALARS):
+        # The type too: the check compares with ==, and 2 == 2.0 == True, though the trace of
+        # `x * alpha` gives an int tensor for one and a float tensor for the other.
+        yield Assumption(f"type({path})", type(value), f"{name}: type")
         yield Assumption(path, value, f"{name}: value")
     elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
         yield Assumption(f"type({path})", type(value), f"{name}: type")

@@ -91,6 +91,17 @@ def test_a_call_unlike_the_first_is_refused_by_name(call, words):
     torch.testing.assert_close(compiled(torch.ones(6, 3)), torch.ones(6, 3))
 
 
+def test_a_scalar_of_another_type_is_refused_even_when_equal():
+    compiled = tessera.compile(forward_with_options, backend="eager")
+    x = torch.arange(6).reshape(2, 3)
+    torch.testing.assert_close(compiled(x, alpha=2), x * 2)
+    with pytest.raises(InputMismatchError, match="alpha: type: the trace assumed int, this call has float"):
+        compiled(x, alpha=2.0)  # eager gives a float tensor here
+    with pytest.raises(InputMismatchError, match="alpha: type: the trace assumed int, this call has bool"):
+        compiled(x, alpha=True)
+    torch.testing.assert_close(compiled(x, alpha=2), x * 2)
+
+
 def test_first_call_with_the_keyword_then_without_is_refused():
     compiled = tessera.compile(forward_with_options, backend="eager")
     x = torch.randn(4, 3)
