@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module  # loaded by `import torch`; read on every call
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +430,6 @@ def trusted_vec_isa(trust: bool) -> Iterator[None]:
 # The hook dicts nn.Module.__call__ reads (torch 2.11-2.13, torch/nn/modules/module.py): tessera
 # calls the root's forward directly, so it runs the root's hooks itself, in the same order.
 def global_module_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
     return bool(
         nn_module._global_forward_pre_hooks
         or nn_module._global_forward_hooks
@@ -440,8 +439,6 @@ def global_module_hooks() -> bool:
 
 
 def global_backward_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
-
     return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 

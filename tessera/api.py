@@ -296,10 +296,11 @@ class CompiledModel:
                 self._backend, self.warm_start = backend, True
                 self.startup_phases.update(backend.phases)
                 start = time.perf_counter()
-                self._install(functools.partial(call, self._target), spec)
+                fast = functools.partial(call, self._target)
+                self._install(fast, spec)
                 # The forward itself: the root hooks already wrap this first call (_first_call),
                 # and _fits has checked and normalised its arguments.
-                output = self._fast(*args, **kwargs)
+                output = fast(*args, **kwargs)
                 self.startup_phases["first_call"] = time.perf_counter() - start
                 return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
