@@ -93,7 +93,7 @@ class CompilerManager:
             counters.bump("cache_hits")
             shared = twin.record
             if self.store is not None and shared is not None:
-                self._write(lambda store: store.link_artifact(key, shared))
+                self._write(lambda store: store.link_artifacts({key: shared}))
             return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
         # A unique scratch name: several processes may compile the same entry at once.
         scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"

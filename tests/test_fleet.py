@@ -347,3 +347,27 @@ def test_import_refuses_paths_outside_the_root_and_damaged_entries(tmp_path):
     with pytest.raises(CacheError, match="nothing imported"):
         import_(tmp_path / "root2", archive)
     assert not list((tmp_path / "root2").glob("*/rank_*"))
+
+
+def test_taking_from_a_sibling_rank_skips_files_that_are_gone(tmp_path):
+    """A sibling entry pruned midway: what is still there is taken, the rest left to compile."""
+    from tessera.cache.index import ArtifactRecord, Index
+    from tessera.cache.sharing import _take_from_siblings
+    from tessera.cache.store import FACTORS, INDEX, CacheEntry
+
+    ours, sibling = tmp_path / "key" / "rank_0_0" / "p", tmp_path / "key" / "rank_1_0" / "p"
+    for entry in (ours, sibling):
+        (entry / "artifacts").mkdir(parents=True)
+        (entry / FACTORS).write_text('{"same": "key"}')
+    data = b"compiled piece"
+    sha = hashlib.sha256(data).hexdigest()
+    (sibling / "artifacts" / "a.bin").write_bytes(data)
+    present = ArtifactRecord("artifacts/a.bin", sha, len(data), "c1")
+    gone = ArtifactRecord("artifacts/b.bin", sha, len(data), "c2")
+    index = Index(created=time.time())
+    index.entries.update({("general", 0, "inductor"): present, ("general", 1, "inductor"): gone})
+    (sibling / INDEX).write_text(index.format())
+    store = CacheEntry(ours, {}, "key")
+    _take_from_siblings(store)
+    assert list(store.index.entries.values()) == [present]
+    assert (ours / "artifacts" / "a.bin").read_bytes() == data and not (ours / "artifacts" / "b.bin").exists()

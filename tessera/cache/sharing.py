@@ -16,9 +16,9 @@ from pathlib import Path
 
 import filelock
 
-from tessera.cache.index import IndexKey
+from tessera.cache.index import ArtifactRecord, IndexKey
 from tessera.cache.remote import RemoteTier
-from tessera.cache.store import FACTORS, CacheEntry, read_index, sha256_file
+from tessera.cache.store import FACTORS, CacheEntry, atomic_write, read_index, sha256_file, warn_write_failed
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -66,28 +66,56 @@ def _missing(store: CacheEntry, needed: set[IndexKey]) -> bool:
 
 
 def _take_from_siblings(store: CacheEntry) -> None:
-    """Record in ``store`` the artifacts a sibling rank's entry of the same key holds."""
-    taken = 0
-    for sibling in sorted(store.path.parents[1].glob(f"rank_*/{store.path.name}")):
-        if sibling == store.path or not _same_key(sibling, store.path):
-            continue
-        try:
-            index = read_index(sibling)
-        except (OSError, ValueError, SyntaxError):
-            continue
-        for key, record in index.entries.items():
-            if key in store.index.entries:
+    """Record in ``store`` the artifacts a sibling rank's entry of the same key holds.
+
+    A sibling file that is gone or damaged is skipped; an entry this process cannot write
+    (read-only, disk full) costs one warning. Either way, what was not taken gets compiled.
+    """
+    taken: dict[IndexKey, ArtifactRecord] = {}
+    try:
+        for sibling in sorted(store.path.parents[1].glob(f"rank_*/{store.path.name}")):
+            if sibling == store.path or not _same_key(sibling, store.path):
                 continue
-            if record.file:
-                source, target = sibling / record.file, store.path / record.file
-                if not target.exists():
-                    if sha256_file(source) != record.sha256:
-                        continue
-                    _link_or_copy(source, target)
-            store.link_artifact(key, record)
-            taken += 1
+            try:
+                index = read_index(sibling)
+            except (OSError, ValueError, SyntaxError):
+                continue
+            for key, record in index.entries.items():
+                if key in store.index.entries or key in taken:
+                    continue
+                if not record.file or _copied(sibling / record.file, store.path / record.file, record.sha256):
+                    taken[key] = record
+        if taken:
+            store.link_artifacts(taken)
+    except OSError as e:
+        warn_write_failed(store.path, e)
+        return
     if taken:
-        log.info("took %d artifact(s) for %s from a sibling rank's entry", taken, store.path)
+        log.info("took %d artifact(s) for %s from a sibling rank's entry", len(taken), store.path)
+
+
+def _copied(source: Path, target: Path, sha256: str) -> bool:
+    """``target`` holds ``source``'s bytes (a hard link, else a copy), if they hash to ``sha256``."""
+    if target.exists():
+        return True
+    try:
+        if sha256_file(source) != sha256:
+            return False
+    except OSError:  # the sibling entry was pruned meanwhile
+        return False
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.link.tmp")
+    try:
+        os.link(source, tmp)
+    except OSError:  # another filesystem, or no hard links there: a copy
+        atomic_write(target, source.read_bytes())
+        return True
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return True
 
 
 def _same_key(a: Path, b: Path) -> bool:
@@ -95,15 +123,3 @@ def _same_key(a: Path, b: Path) -> bool:
         return sha256_file(a / FACTORS) == sha256_file(b / FACTORS)
     except OSError:
         return False
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    (target.parent).mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.link.tmp")
-    try:
-        os.link(source, tmp)
-    except OSError:
-        import shutil
-
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)

@@ -338,10 +338,11 @@ class CacheEntry:
             self.index.entries[key] = record
         return record
 
-    def link_artifact(self, key: IndexKey, record: ArtifactRecord) -> None:
-        """Record that ``key`` is served by an artifact already in the entry (an identical piece)."""
+    def link_artifacts(self, records: Mapping[IndexKey, ArtifactRecord]) -> None:
+        """Record that each key is served by an artifact already in the entry (an identical
+        piece, or one taken from a sibling rank): one index write for all of them."""
         with self._updating_index():
-            self.index.entries[key] = record
+            self.index.entries.update(records)
 
     def check(self, record: FileRecord) -> str | None:
         """``check_file``, hashing each unchanged file at most once in this process."""
