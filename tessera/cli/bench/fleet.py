@@ -109,6 +109,9 @@ def replicas(scratch: Path, count: int, remote: str | None) -> dict[str, Any]:
             subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         )
     while len(list(barrier.glob("ready.*"))) < count:
+        failed = next((proc for proc in procs if proc.poll() is not None), None)
+        if failed is not None:  # it will never be ready: say why instead of waiting forever
+            raise RuntimeError(f"a replica exited before the start:\n{failed.communicate()[1][-3000:]}")
         time.sleep(0.05)
     (barrier / "go").touch()
     for proc in procs:
