@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -23,6 +24,8 @@ from tessera.models import toy_llama
 
 def main() -> int:
     start = time.time()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("tessera.cache.remote").setLevel(logging.INFO)  # the tests read its waits
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--backend", default="inductor")

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -142,20 +143,45 @@ def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_se
     out = tmp_path / "out"
     out.mkdir()
     env = {"TESSERA_REMOTE_LEASE_SECONDS": "3"}
-    first = _member(out, tmp_path / "a", redis_server.url, "--layers", "3", **env)
+    # An empty Inductor cache: the first compiles for real, long enough to be killed midway.
+    first = _member(
+        out,
+        tmp_path / "a",
+        redis_server.url,
+        "--layers",
+        "3",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind-a"),
+        **env,
+    )
     client = redis_server.client()
     deadline = time.monotonic() + 300
     while not list(client.scan_iter("tessera:v1:lease:*")):  # the first replica is compiling
         assert time.monotonic() < deadline and first.poll() is None, "no lease was ever taken"
         time.sleep(0.02)
-    second = _member(out, tmp_path / "b", redis_server.url, "--layers", "3", **env)
-    time.sleep(1.0)  # the second is waiting on the lease now
-    first.send_signal(signal.SIGKILL)
+    second = _member(
+        out,
+        tmp_path / "b",
+        redis_server.url,
+        "--layers",
+        "3",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind-b"),
+        **env,
+    )
+    lines: list[str] = []  # the second's log, read as it comes
+    reader = threading.Thread(target=lambda: lines.extend(second.stderr or ()), daemon=True)
+    reader.start()
+    while not any("another process is compiling" in line for line in lines):
+        assert time.monotonic() < deadline and second.poll() is None, (
+            "never waited:\n" + "".join(lines)[-3000:]
+        )
+        time.sleep(0.02)
+    first.send_signal(signal.SIGKILL)  # the compiler dies holding the lease
     first.wait(timeout=30)
     started = time.monotonic()
-    _wait_all([second], timeout=600)
+    assert second.wait(timeout=600) == 0, "".join(lines)[-3000:]
+    reader.join(timeout=30)
     (result,) = _results(out)
-    assert result["matched"] and result["counters"]["inductor_compiles"] > 0  # it took over
+    assert result["matched"] and result["counters"]["inductor_compiles"] > 0  # then took over
     assert time.monotonic() - started < 300
 
 

@@ -271,6 +271,7 @@ class RemoteTier:
         lease_key = f"{NAMESPACE}lease:{key}:{prefix}"
         token = self.owner.encode()
         deadline = time.monotonic() + self.wait_seconds
+        waiting = False
         while True:
             acquired = self._call(
                 "taking a lease", self.store.put_if_absent, lease_key, token, self.lease_seconds
@@ -293,6 +294,14 @@ class RemoteTier:
                     prefix,
                 )
                 break
+            if not waiting:
+                waiting = True
+                log.info(
+                    "another process is compiling %s/%s; waiting up to %.0fs",
+                    key[:10],
+                    prefix,
+                    self.wait_seconds,
+                )
             time.sleep(0.2)
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop), daemon=True)
