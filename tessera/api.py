@@ -144,7 +144,7 @@ class CompiledModel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
-    @property
+    @functools.cached_property
     def signature(self) -> inspect.Signature:
         """The call signature of the model (its forward without ``self``)."""
         signature = inspect.signature(self._func)
@@ -410,7 +410,11 @@ class CompiledModel:
         mismatches = spec.mismatches(args, kwargs)
         if not mismatches:
             return fast(*args, **kwargs)
-        changed = [a.expr for a, found in mismatches if a.state and _is_int(a.expected) and _is_int(found)]
+        changed = [
+            a.expr
+            for a, found in mismatches
+            if a.state and validation.is_int(a.expected) and validation.is_int(found)
+        ]
         retrace = self._state_retraces < MAX_STATE_RETRACES and _compat.supports_dynamic_state()
         if retrace and len(changed) == len(mismatches):
             return self._retrace_for_state(args, kwargs, changed)
@@ -433,7 +437,3 @@ class CompiledModel:
             output = self._trace(args, kwargs, values, choice)
             self._counters = counter_delta(self._counters_before, counters.snapshot())
             return output
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

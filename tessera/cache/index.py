@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from tessera.config import Size, SizeRange
+from tessera.validation import is_int
 
 VERSION = 2
 HEADER = "# tessera cache index: a Python literal, read with ast.literal_eval.\n"
@@ -143,15 +144,15 @@ def _check_key(key: Any) -> None:
     size, index, compiler = key
     size_ok = (
         size == "general"
-        or _is_int(size)
+        or is_int(size)
         or (
             isinstance(size, tuple)
             and len(size) == 2
-            and _is_int(size[0])
-            and (size[1] is None or _is_int(size[1]))
+            and is_int(size[0])
+            and (size[1] is None or is_int(size[1]))
         )
     )
-    if not (size_ok and _is_int(index) and isinstance(compiler, str)):
+    if not (size_ok and is_int(index) and isinstance(compiler, str)):
         raise ValueError(f"entry key {key!r} has wrong types")
 
 
@@ -160,7 +161,7 @@ def _file_record(value: Any, what: str) -> FileRecord:
         isinstance(value, dict)
         and isinstance(value.get("file"), str)
         and isinstance(value.get("sha256"), str)
-        and _is_int(value.get("size"))
+        and is_int(value.get("size"))
     ):
         raise ValueError(f"{what} lacks file/sha256/size")
     if value["file"]:
@@ -173,7 +174,3 @@ def check_relative(name: str, what: str) -> None:
     path = PurePosixPath(name)
     if not path.parts or path.is_absolute() or ".." in path.parts or "\\" in name:
         raise ValueError(f"{what} points outside the cache entry")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

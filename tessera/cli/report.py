@@ -101,8 +101,9 @@ def report_command(target: str | None, root: Path, as_json: bool) -> int:
         reports = [m.report.as_dict() for m in models]
         if as_json:
             print(json.dumps(reports, indent=1))
-        for report in [] if as_json else reports:
-            render(report)
+        else:
+            for report in reports:
+                render(report)
         return 0 if reports else 1
     if target is not None:
         entry = Path(target)
@@ -111,9 +112,7 @@ def report_command(target: str | None, root: Path, as_json: bool) -> int:
         if not entries:
             print(f"no cache entries under {root}", file=sys.stderr)
             return 1
-        entry = max(
-            entries, key=lambda p: max((f.stat().st_mtime for f in p.glob("report-*.json")), default=0)
-        )
+        entry = max(entries, key=_last_report_time)
     latest, cold = load_entry_reports(entry)
     if latest is None:
         print(f"{entry}: no compile record (it is written at a model's first call)", file=sys.stderr)
