@@ -8,6 +8,7 @@ call behind the check of what that trace assumed (guards.py) and the root module
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import json
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, counters, guards, hooks, validation
+from tessera import _compat, counters, dynamo_guards, guards, hooks, validation
 from tessera.backend import PiecewiseBackend
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
@@ -137,6 +138,11 @@ class CompiledModel:
         self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see guards.py)
         self._state_retraces = 0
         self._trace_code: types.CodeType | None = None
+        self._bound: dict[str, Any] = {}  # what the call check reads besides the arguments
+        self._tensors: Callable[..., tuple[Any, ...]] = lambda args, kwargs: ()  # tensors the trace read
+        self._mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
+        self._checked: Callable[..., Any] = self._first_call  # the call check (root hooks aside)
+        self.dropped_guards: tuple[tuple[str, int], ...] = ()  # Dynamo guards not re-checked, and why
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
         if RECORDER is not None:
             RECORDER.append(self)
@@ -260,6 +266,12 @@ class CompiledModel:
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
         choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
         self.marked_dims = list(choice.dims)
+        if mode != "stock" and torch.is_grad_enabled():
+            # tessera compiles inference graphs: refuse now a call whose result needs gradients,
+            # and trace (or start warm) under no_grad a call whose result would not.
+            self._refuse_if_grad_needed(_grad_tensors((self.model, args, kwargs)))
+            with torch.no_grad():
+                return self._compile(args, kwargs)
         if mode == "stock":
             mark_dynamic(values, choice)
             compiled = torch.compile(self.model, backend=stock_backend(self.config.backend))
@@ -297,10 +309,12 @@ class CompiledModel:
                 self.startup_phases.update(backend.phases)
                 start = time.perf_counter()
                 fast = functools.partial(call, self._target)
-                self._install(fast, spec)
+                self._install(fast, spec, _compat.guard_globals(self._entry.__globals__))
                 # The forward itself: the root hooks already wrap this first call (_first_call),
                 # and _fits has checked and normalised its arguments.
+                versions = _versions(args, kwargs)
                 output = fast(*args, **kwargs)
+                self._mutated = _changed(versions, args, kwargs)
                 self.startup_phases["first_call"] = time.perf_counter() - start
                 return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
@@ -329,6 +343,7 @@ class CompiledModel:
         backend = PiecewiseBackend(self.config, compiler, root, prefix, remote)
         mark_dynamic(values, choice, self.config.dynamic_shapes)
         start = time.perf_counter()
+        versions = _versions(args, kwargs)
         trace = trace_once(
             self._entry,
             backend,
@@ -336,14 +351,16 @@ class CompiledModel:
             args,
             kwargs,
             self._func.__qualname__,
+            self._recorder(args, kwargs, choice),
             self._dynamic_state,
             size_oblivious=self.config.dynamic_shapes == "backed_size_oblivious",
         )
+        self._mutated = _changed(versions, args, kwargs)
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
         self.startup_phases["trace"] = (
             self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
         )
-        spec = self._record(args, kwargs, choice, trace)
+        spec: guards.CallSpec = trace.guards
         self._backend, self.warm_start, self._trace_code = backend, False, trace.code
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
@@ -351,27 +368,47 @@ class CompiledModel:
             backend.save_artifact(print_, self._entry, trace.code, spec)
             if remote is not None and root is not None and backend.store is not None:
                 publish(remote, root, print_, backend.store)
-        self._install(functools.partial(trace.call, self._target), spec)
+        self._install(
+            functools.partial(trace.call, self._target), spec, _compat.guard_globals(self._entry.__globals__)
+        )
         return trace.output
 
     # -- the call check ------------------------------------------------------------------------
-    def _record(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice, trace: Trace
-    ) -> guards.CallSpec:
-        """What the trace assumed of this (first) call."""
+    def _recorder(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice
+    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[bool, ...]]], guards.CallSpec]:
+        """What reads Dynamo's guards into the call spec: called during the trace, after the graph
+        is compiled and before the first call runs (so a model that appends to a list argument
+        is checked against the list as passed)."""
         names = guards.argument_names(self.signature, args, kwargs)
         dynamic: dict[str, set[int]] = {}
         for name, dim in choice.dims:
             dynamic.setdefault(name, set()).add(dim)
-        return guards.record(
-            args,
-            kwargs,
-            lambda path: names.get(path, path),
-            lambda path: frozenset(dynamic.get(names.get(path, ""), ())),
-            trace.state,
-            trace.shape_guards,
-            self._dynamic_state,
-        )
+        state = _compat.call_state()
+
+        def read(facts: list[_compat.GuardFact], symbolic: dict[str, tuple[bool, ...]]) -> guards.CallSpec:
+            translation = dynamo_guards.translate(facts, symbolic, lambda n: dynamo_guards.readable(n, names))
+            spec = guards.record(
+                args,
+                kwargs,
+                lambda path: names.get(path, path),
+                lambda path: frozenset(dynamic.get(names.get(path, ""), ())),
+                translation.assumptions,
+                translation.parents,
+                state,
+            )
+            # An assumption the very call it came from breaks is a translation tessera cannot
+            # check: say so (it would refuse every call), and keep the rest.
+            bound = spec.bind(self._target, _compat.guard_globals(self._entry.__globals__))
+            broken = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
+            if broken:
+                log.warning("%s: guards tessera cannot re-check, not checked: %s", self.name, sorted(broken))
+                kept = tuple(a for a in spec.assumptions if a.expr not in broken)
+                spec = dataclasses.replace(spec, assumptions=kept)
+            self.dropped_guards = translation.dropped
+            return spec
+
+        return read
 
     def _fits(
         self, spec: guards.CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -381,15 +418,29 @@ class CompiledModel:
             args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
         except guards.InputMismatchError as e:
             raise WarmStartUnavailable(f"this call differs from the traced one: {e}") from e
-        mismatches = spec.mismatches(args, kwargs)
+        if spec.global_state and spec.global_state != _compat.call_state():
+            state = guards.explain_state(spec.global_state, _compat.call_state())
+            raise WarmStartUnavailable(f"the artifact was traced under another state: {state}")
+        try:
+            bound = spec.bind(self._target, _compat.guard_globals(self._entry.__globals__))
+        except guards.InputMismatchError as e:
+            raise WarmStartUnavailable(str(e)) from e
+        mismatches = spec.mismatches(args, kwargs, bound)
         if mismatches:
             raise WarmStartUnavailable(f"this call differs from the traced one: {guards.explain(mismatches)}")
         return args, kwargs
 
-    def _install(self, fast: Callable[..., Any], spec: guards.CallSpec) -> Callable[..., Any]:
+    def _install(
+        self, fast: Callable[..., Any], spec: guards.CallSpec, globals_: dict[str, Any]
+    ) -> Callable[..., Any]:
         """Every later call: root hooks as in eager, the call check, then the compiled forward."""
         self._fast, self.call_spec = fast, spec
-        call = guards.make_checked_call(spec, fast, self._slow_call) if self.config.check_inputs else fast
+        self._bound = spec.bind(self._target, globals_)
+        self._tensors = guards.tensor_reader(spec, self._bound)
+        call = (
+            guards.make_checked_call(spec, fast, self._slow_call, self._bound) if self.config.check_inputs else fast
+        )
+        self._checked = call
         module = self._module
         if module is not None:
             checked = call
@@ -402,12 +453,39 @@ class CompiledModel:
         self._call = call
         return call
 
+    def _refuse_if_grad_needed(self, tensors: Any) -> None:
+        """Raise GradientsNotSupportedError when a tensor the call reads requires grad (grad is on)."""
+        needing = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if needing is not None:
+            raise guards.GradientsNotSupportedError(
+                f"{self.name}: called with grad enabled and a tensor it reads requires grad "
+                f"({guards.describe_tensor(needing)}), so eager's result would carry gradients. tessera "
+                "compiles inference graphs: call it under torch.inference_mode() or torch.no_grad(), "
+                "freeze the parameters (model.requires_grad_(False)), or use mode='stock' to train"
+            )
+
     def _slow_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that failed the quick check: rewritten into the traced structure, or refused."""
+        """A call that failed the quick check: under another state, with grad enabled, in another
+        structure or layout, or refused."""
         spec, fast = self.call_spec, self._fast
         assert spec is not None and fast is not None, "the slow path runs after the first call"
+        state = _compat.call_state()
+        if spec.global_state and state != spec.global_state:
+            raise guards.StateMismatchError(
+                f"{self.name}: {guards.explain_state(spec.global_state, state)}. tessera traced the model "
+                "once, under the first call's state, and that state is baked into its graph: call it "
+                "under the same state, or compile another instance for this one"
+            )
+        if torch.is_grad_enabled():
+            self._refuse_if_grad_needed(self._tensors(args, kwargs))
+            self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
+            with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
+                return self._checked(*args, **kwargs)
         args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
-        mismatches = spec.mismatches(args, kwargs)
+        mismatches = spec.mismatches(args, kwargs, self._bound)
+        if mismatches:
+            args, kwargs = self._fix_layouts(args, kwargs, mismatches)
+            mismatches = spec.mismatches(args, kwargs, self._bound)
         if not mismatches:
             return fast(*args, **kwargs)
         changed = [
@@ -419,6 +497,24 @@ class CompiledModel:
         if retrace and len(changed) == len(mismatches):
             return self._retrace_for_state(args, kwargs, changed)
         raise guards.InputMismatchError(f"{self.name}: {guards.explain(mismatches)}")
+
+    def _fix_layouts(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], mismatches: list[tuple[guards.Assumption, Any]]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Arguments whose only difference is their layout, copied into the traced layout (the
+        compiled code assumes it). An argument the model writes to is not copied: the write would
+        miss the caller's tensor, so the check refuses it."""
+        positional, keywords = list(args), dict(kwargs)
+        for assumption, _ in mismatches:
+            path = guards.layout_path(assumption)
+            if path is None or path in self._mutated:
+                continue
+            kind, key = path
+            if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
+                positional[int(key)] = guards.to_layout(positional[int(key)], assumption.expected)
+            elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
+                keywords[key] = guards.to_layout(keywords[key], assumption.expected)
+        return tuple(positional), keywords
 
     def _retrace_for_state(self, args: tuple[Any, ...], kwargs: dict[str, Any], changed: list[str]) -> Any:
         """A Python int the trace read from an argument object changed (a StaticCache's length):
@@ -437,3 +533,66 @@ class CompiledModel:
             output = self._trace(args, kwargs, values, choice)
             self._counters = counter_delta(self._counters_before, counters.snapshot())
             return output
+
+
+def _grad_tensors(obj: Any, depth: int = 0) -> Any:
+    """Every tensor ``obj`` holds that could carry gradients: tensors in containers, a module's
+    parameters and buffers, a function's closure (bounded depth: this runs with grad enabled)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from obj.parameters()
+    elif depth > 4:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _grad_tensors(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _grad_tensors(item, depth + 1)
+    elif isinstance(obj, types.MethodType):
+        yield from _grad_tensors(obj.__self__, depth + 1)
+        yield from _grad_tensors(obj.__func__, depth + 1)
+    elif isinstance(obj, types.FunctionType):
+        for cell in obj.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield from _grad_tensors(contents, depth + 1)
+
+
+def _top_level_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            yield ("args", str(i)), value
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            yield ("kwargs", key), value
+
+
+def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """The version counter of each top-level tensor argument (in-place writes bump it)."""
+    out = {}
+    for path, tensor in _top_level_tensors(args, kwargs):
+        try:
+            out[path] = tensor._version
+        except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
+            continue
+    return out
+
+
+def _changed(
+    before: dict[tuple[str, str], int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> frozenset[tuple[str, str]]:
+    """The arguments whose version moved since ``before``: the ones the model writes to."""
+    return frozenset(
+        path for path, tensor in _top_level_tensors(args, kwargs) if before.get(path, -1) != _version(tensor)
+    )
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return -1

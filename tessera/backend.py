@@ -366,7 +366,15 @@ class PiecewiseBackend:
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return
         try:
-            store.write_model(model_artifact.dumps(saved))
+            blob = model_artifact.dumps(saved)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            # What the call check compares against includes a value that cannot be saved (a class
+            # defined inside a function): this process runs; the next one traces again.
+            self.artifact_status = f"not written: the call check holds a value that cannot be saved ({e})"
+            log.info("no whole-model artifact (the next process traces again): %s", e)
+            return
+        try:
+            store.write_model(blob)
             model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
         except OSError as e:  # the model runs; the next process traces again
             self.artifact_status = f"not written: {e.strerror}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,17 +19,48 @@ from typing import Any
 
 import torch
 
+from tessera import _compat
 from tessera.errors import TesseraError
 
-# An expression Dynamo uses to name state it read from the call's arguments (after tessera's
-# trampoline, the frame's locals are `args` and `kwargs`): subscripts and attributes only.
-_STATE_EXPR = re.compile(r"^(args|kwargs)(\[(\d+|'[^'\\]*')\]|\.[A-Za-z_]\w*)+$")
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _MAX_DEPTH = 3
 
 
 class InputMismatchError(TesseraError):
     """A call differs from what the one trace assumed (the argument, assumption and value)."""
+
+
+class StateMismatchError(InputMismatchError):
+    """A call runs under another global state (autocast, default dtype, a function mode) than the
+    one the trace baked into its graph."""
+
+
+class GradientsNotSupportedError(TesseraError):
+    """A call whose result would need gradients: tessera compiles inference graphs only."""
+
+
+def layout_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """A tensor's layout class: its dims from outermost to innermost stride, and whether it is
+    dense (no gaps, no overlap). Two tensors of one class and one shape have equal strides."""
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    return order, _compat_dense(tensor)
+
+
+def _compat_dense(tensor: torch.Tensor) -> bool:
+    # Tensor.is_non_overlapping_and_dense is public from torch 2.11 on (C++ since long before).
+    return bool(tensor.is_non_overlapping_and_dense())
+
+
+def to_layout(tensor: torch.Tensor, expected: Any) -> torch.Tensor:
+    """A copy of ``tensor`` in the layout an assumption expected (contiguous, strides or class)."""
+    if expected is True:
+        return tensor.contiguous()
+    if isinstance(expected, tuple) and len(expected) == 2 and isinstance(expected[1], bool):
+        order = list(expected[0])
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return tensor.permute(order).contiguous().permute(inverse)
+    return torch.empty_strided(tensor.shape, expected, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 @dataclass(frozen=True)
@@ -43,23 +75,40 @@ class Assumption:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """The call the trace saw: its structure and every assumption the trace made of it."""
+    """The call the trace saw: its structure, every assumption the trace made of it, the objects
+    those read through (``parents``: ``_o{i}`` is the i-th expression over ``target`` and ``G``)
+    and the global state it ran under (``_compat.call_state``)."""
 
     num_args: int
     keywords: tuple[str, ...]
     assumptions: tuple[Assumption, ...]
+    parents: tuple[str, ...] = ()
+    global_state: tuple[Any, ...] = ()
 
-    def mismatches(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[Assumption, Any]]:
+    def bind(self, target: Any, globals_: Mapping[str, Any]) -> dict[str, Any]:
+        """The names the assumptions read besides ``args``/``kwargs``, resolved for ``target``.
+
+        Raises InputMismatchError when the model no longer has what the trace read through."""
+        bound: dict[str, Any] = {"target": target, "G": globals_, "_layout": layout_of}
+        for i, parent in enumerate(self.parents):
+            try:
+                bound[f"_o{i}"] = eval(parent, {"__builtins__": __builtins__}, bound)  # our grammar
+            except Exception as e:
+                raise InputMismatchError(f"the model no longer has {parent} ({type(e).__name__}: {e})") from e
+        return bound
+
+    def mismatches(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], bound: Mapping[str, Any] | None = None
+    ) -> list[tuple[Assumption, Any]]:
         """Each assumption ``(args, kwargs)`` breaks, with the value found."""
         out = []
         wrong_type: list[str] = []  # paths whose type differs: their dtype etc. say nothing more
+        names = {**(bound or {"_layout": layout_of}), "args": args, "kwargs": kwargs}
         for assumption in self.assumptions:
             if any(_about(assumption.expr, p) for p in wrong_type):
                 continue
             try:
-                found = eval(
-                    assumption.expr, {}, {"args": args, "kwargs": kwargs}
-                )  # expressions of our grammar only
+                found = eval(assumption.expr, {"__builtins__": __builtins__}, names)  # our grammar only
             except Exception as e:  # a missing attribute, an index out of range
                 found = _Missing(f"{type(e).__name__}: {e}")
             if not _same(found, assumption.expected):
@@ -85,8 +134,14 @@ class _Missing:
 
 
 def _same(found: Any, expected: Any) -> bool:
+    if found is expected:
+        return True
     try:
-        return bool(type(found) is type(expected) and found == expected)
+        if type(found) is not type(expected):
+            return False
+        if isinstance(found, float) and math.isnan(found) and math.isnan(expected):
+            return True  # NaN is the value the trace saw, though NaN != NaN
+        return bool(found == expected)
     except Exception:
         return False
 
@@ -96,14 +151,14 @@ def record(
     kwargs: Mapping[str, Any],
     names: Callable[[str], str],
     dynamic: Callable[[str], frozenset[int]],
-    state: Sequence[tuple[str, Any]] = (),
-    shape_guards: Sequence[str] = (),
-    dynamic_state: Sequence[str] = (),
+    derived: Sequence[Assumption] = (),
+    parents: Sequence[str] = (),
+    global_state: Sequence[Any] = (),
 ) -> CallSpec:
-    """The spec of the first call: ``names(path)`` gives an argument's name, ``dynamic(path)`` its
-    dynamic dims; ``state`` holds ``(expression, value)`` pairs Dynamo guarded on. Of Dynamo's
-    symbolic guards, those on ``dynamic_state`` (argument ints traced as symbols) are kept; those on
-    tensor sizes are not: a dynamic dim is trusted as documented (trace once means trace once)."""
+    """The spec of the first call, taken before it runs: ``names(path)`` gives an argument's name,
+    ``dynamic(path)`` its dynamic dims; ``derived`` are Dynamo's guards as assumptions
+    (dynamo_guards.py), reading through ``parents``. The call's own structure (each argument's
+    presence, type, scalar value) is described here too: it holds even where Dynamo read nothing."""
     assumptions: list[Assumption] = []
     for i, value in enumerate(args):
         assumptions.extend(_describe(f"args[{i}]", value, names(f"args[{i}]"), dynamic, 0))
@@ -111,20 +166,11 @@ def record(
         path = f"kwargs[{key!r}]"
         assumptions.extend(_describe(path, value, names(path), dynamic, 0))
     seen = {a.expr for a in assumptions}
-    for expr, value in state:
-        if expr in seen or not _STATE_EXPR.match(expr) or not isinstance(value, _SCALARS):
-            continue
-        seen.add(expr)
-        assumptions.append(Assumption(expr, value, _label(expr, names), state=True))
-    for guard in shape_guards:
-        local = local_expression(guard)
-        if local is None or local in seen:
-            continue
-        about = [s for s in dynamic_state if s in local]
-        if about:
-            seen.add(local)
-            assumptions.append(Assumption(local, True, f"{_label(about[0], names)}: {local}", state=True))
-    return CallSpec(len(args), tuple(kwargs), tuple(assumptions))
+    for assumption in derived:
+        if assumption.expr not in seen:
+            seen.add(assumption.expr)
+            assumptions.append(assumption)
+    return CallSpec(len(args), tuple(kwargs), tuple(assumptions), tuple(parents), tuple(global_state))
 
 
 _GUARD_NODES = (
@@ -142,7 +188,13 @@ _GUARD_NODES = (
     ast.boolop,
     ast.operator,
     ast.unaryop,
+    ast.Call,
+    ast.Tuple,
+    ast.List,
 )
+# Calls a guard may make: a tensor's size queries, and builtins over the sources.
+_GUARD_METHODS = frozenset({"size", "stride", "storage_offset", "dim", "numel"})
+_GUARD_BUILTINS = frozenset({"hasattr", "len"})
 
 
 def local_expression(code: str) -> str | None:
@@ -155,7 +207,14 @@ def local_expression(code: str) -> str | None:
     for node in ast.walk(tree):
         if not isinstance(node, _GUARD_NODES):
             return None
-        if isinstance(node, ast.Name) and node.id != "L":
+        if isinstance(node, ast.Call):
+            func = node.func
+            if node.keywords or not (
+                (isinstance(func, ast.Attribute) and func.attr in _GUARD_METHODS)
+                or (isinstance(func, ast.Name) and func.id in _GUARD_BUILTINS)
+            ):
+                return None
+        elif isinstance(node, ast.Name) and node.id != "L" and node.id not in _GUARD_BUILTINS:
             return None
 
     class _Unroot(ast.NodeTransformer):
@@ -216,13 +275,24 @@ def make_checked_call(
     spec: CallSpec,
     call: Callable[..., Any],
     slow: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    bound: Mapping[str, Any],
 ) -> Callable[..., Any]:
-    """``call`` behind one generated comparison; calls that fail it go to ``slow(args, kwargs)``."""
+    """``call`` behind one generated comparison; calls that fail it go to ``slow(args, kwargs)``.
+
+    The comparison covers the global state too: grad disabled (a call with grad enabled goes the
+    slow way, which decides whether its result would need gradients), autocast, the default dtype
+    and the function-mode stack as at the trace."""
     exprs = [a.expr for a in spec.assumptions]
+    autocast, default_dtype, modes = spec.global_state or _compat.call_state()
+    state = (
+        "_call_state() == _STATE"
+        if autocast
+        else "not _any_autocast() and _default_dtype() is _DTYPE and _modes() == _MODES"
+    )
     source = (
         "def checked(*args, **kwargs):\n"
         "    try:\n"
-        f"        ok = len(args) == {spec.num_args} and kwargs.keys() == _KEYS"
+        f"        ok = not _grad() and {state} and len(args) == {spec.num_args} and kwargs.keys() == _KEYS"
         + (f" and ({', '.join(exprs)},) == _EXPECTED" if exprs else "")
         + "\n"
         "    except Exception:\n"
@@ -232,13 +302,50 @@ def make_checked_call(
         "    return _slow(args, kwargs)\n"
     )
     namespace: dict[str, Any] = {
+        **bound,
         "_KEYS": frozenset(spec.keywords),
         "_EXPECTED": tuple(a.expected for a in spec.assumptions),
         "_call": call,
         "_slow": slow,
+        "_grad": torch.is_grad_enabled,
+        "_any_autocast": _compat.any_autocast(),
+        "_default_dtype": torch.get_default_dtype,
+        "_modes": _compat.function_mode_depth(),
+        "_call_state": _compat.call_state,
+        "_STATE": tuple(spec.global_state),
+        "_DTYPE": default_dtype,
+        "_MODES": modes,
     }
     exec(compile(source, "<tessera call check>", "exec"), namespace)  # our own generated source
     return namespace["checked"]  # type: ignore[no-any-return]
+
+
+def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
+    """A function of ``(args, kwargs)`` returning every tensor the trace read (arguments, nested
+    ones, the model's parameters and buffers, globals): what decides whether a result needs grad."""
+    exprs = [a.expr[: -len(".dtype")] for a in spec.assumptions if a.label.endswith(": dtype")]
+    source = (
+        "def tensors(args, kwargs):\n"
+        "    out = []\n"
+        + "".join(
+            f"    try:\n        out.append({e})\n    except Exception:\n        pass\n" for e in exprs
+        )
+        + "    return tuple(out)\n"
+    )
+    namespace: dict[str, Any] = dict(bound)
+    exec(compile(source, "<tessera tensors read>", "exec"), namespace)  # our own generated source
+    return namespace["tensors"]  # type: ignore[no-any-return]
+
+
+def explain_state(expected: Sequence[Any], found: Sequence[Any]) -> str:
+    """What differs between the global state of the trace and of this call, in words."""
+    labels = ("autocast (device, dtype)", "default dtype", "torch function modes (e.g. `with torch.device`)")
+    parts = [
+        f"{label}: the trace ran with {want!r}, this call with {got!r}"
+        for label, want, got in zip(labels, expected, found)
+        if want != got
+    ]
+    return "; ".join(parts) or "global state differs"
 
 
 def normalise(
@@ -299,11 +406,40 @@ def normalise(
     return tuple(positional), keywords
 
 
+_LAYOUT_PATH = re.compile(
+    r"^(?:_layout\()?(args)\[(\d+)\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
+    r"|^(?:_layout\()?(kwargs)\['([^'\\]*)'\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
+)
+
+
+def layout_path(assumption: Assumption) -> tuple[str, str] | None:
+    """``("args", "0")`` / ``("kwargs", "x")`` when ``assumption`` is about the layout of a
+    top-level argument (the ones tessera may copy into the traced layout), else None."""
+    if ": layout" not in assumption.label:
+        return None
+    match = _LAYOUT_PATH.match(assumption.expr)
+    if match is None:
+        return None
+    groups = [g for g in match.groups() if g is not None]
+    return groups[0], groups[1]
+
+
+def describe_tensor(tensor: torch.Tensor) -> str:
+    return _short(tensor)
+
+
 def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
     """One message for the first broken assumption (and how many more there are)."""
     assumption, found = mismatches[0]
     more = f" ({len(mismatches) - 1} more difference(s))" if len(mismatches) > 1 else ""
-    if "size of dim" in assumption.label:
+    if ": layout" in assumption.label:
+        advice = (
+            "pass a tensor in the traced layout (.contiguous() for most); tessera copies a top-level "
+            "argument into it itself unless the model writes to that argument"
+        )
+    elif assumption.label.startswith(("model.", "function.")):
+        advice = "the model changed after tessera.compile (a parameter's dtype or device, a setting): compile it again"
+    elif "size of dim" in assumption.label:
         advice = "mark that dim dynamic (dynamic_dims={...}), compile another instance for this shape"
     elif assumption.state:
         advice = "compile another instance for this state"
@@ -311,8 +447,8 @@ def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
         advice = "convert the input to what the first call passed, or compile another instance for it"
     return (
         f"{assumption.label}: the trace assumed {_short(assumption.expected)}, this call has "
-        f"{_short(found)}{more}. tessera traces a model once and does not re-check Dynamo's guards: "
-        f"{advice}, or use mode='stock'"
+        f"{_short(found)}{more}. tessera traces a model once and checks each call against what that "
+        f"trace assumed: {advice}, or use mode='stock' (Dynamo re-traces as needed)"
     )
 
 

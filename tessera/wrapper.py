@@ -140,13 +140,16 @@ def entry_frame() -> types.FunctionType:
 
 @dataclass(frozen=True)
 class Trace:
-    """The one trace: the first output, the bytecode as a plain function, and what Dynamo read."""
+    """The one trace: the first output, the bytecode as a plain function, and what Dynamo assumed."""
 
     output: Any
     call: Callable[..., Any]  # call(target, *args, **kwargs): Dynamo's bytecode, no frame evaluation
     code: types.CodeType
-    state: tuple[tuple[str, Any], ...]  # (source, value) of every value guard Dynamo dropped
-    shape_guards: tuple[str, ...]  # Dynamo's symbolic-shape guards, as Python over L['...']
+    guards: Any  # what ``on_guards`` made of Dynamo's guards, before the first call ran
+
+
+# on_guards(facts, symbolic): Dynamo's guards and, per graph input, its symbolic dims.
+GuardReader = Callable[[list[_compat.GuardFact], dict[str, tuple[bool, ...]]], Any]
 
 
 def trace_once(
@@ -156,10 +159,13 @@ def trace_once(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     name: str,
+    on_guards: GuardReader,
     dynamic_state: tuple[str, ...] = (),
     size_oblivious: bool = False,
 ) -> Trace:
-    """Trace ``entry(target, *args, **kwargs)`` with every guard dropped (and recorded).
+    """Trace ``entry(target, *args, **kwargs)`` with every guard dropped, after ``on_guards`` has
+    read them (Dynamo builds guards after the graph is compiled and before the first call runs,
+    so what it reads is the call's state before the model changed anything).
 
     ``dynamic_state`` names Python ints of the arguments' objects (``kwargs['cache'].length``)
     to trace as symbols: state that changed between calls (see api.py).
@@ -169,24 +175,32 @@ def trace_once(
     """
     code = entry.__code__
     captured: list[types.CodeType] = []
-    state: list[tuple[str, Any]] = []
-    shape_guards: list[str] = []
+    symbolic: dict[str, tuple[bool, ...]] = {}
+    read: list[Any] = []
+    failed: list[BaseException] = []
 
     def hook(old: types.CodeType, new: types.CodeType) -> None:
         if old is code:
             captured.append(new)
 
+    def inputs_then_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        symbolic.update(_compat.placeholder_dims(gm))
+        return backend(gm, example_inputs)
+
     def drop_guards(entries: list[Any]) -> list[bool]:
-        # Every guard is dropped; the values it would have checked are kept for guards.py.
-        for guard in entries:
-            if guard.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and guard.has_value:
-                state.append((guard.name, guard.value))
-            elif guard.guard_type == "SHAPE_ENV":
-                shape_guards.extend(_compat.guard_code(guard))
+        # Every guard is dropped; on_guards turns them into tessera's call check first.
+        try:
+            read.append(on_guards([_compat.guard_fact(e) for e in entries], symbolic))
+        except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
+            failed.append(e)
         return [False] * len(entries)
 
     compiled = torch.compile(
-        entry, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": drop_guards}
+        entry,
+        backend=inputs_then_backend,
+        fullgraph=True,
+        dynamic=False,
+        options={"guard_filter_fn": drop_guards},
     )
     handle = _compat.register_bytecode_hook(hook)
     try:
@@ -204,9 +218,11 @@ def trace_once(
         handle.remove()
         # Our entry has no guards: left in place it would serve any later call of this frame.
         _compat.reset_code(code)
-    if not captured:
+    if failed:
+        raise failed[0]
+    if not captured or not read:
         raise UnsupportedModelError(f"Dynamo did not trace {name}; tessera needs the forward in one graph")
-    return Trace(output, _as_function(captured[-1], entry), captured[-1], tuple(state), tuple(shape_guards))
+    return Trace(output, _as_function(captured[-1], entry), captured[-1], read[-1])
 
 
 def _as_function(code: types.CodeType, entry: types.FunctionType) -> Callable[..., Any]:

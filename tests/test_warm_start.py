@@ -149,7 +149,7 @@ import torch
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.ones(4, 4))
+        self.w = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)
 
     def forward(self, x):
         return (x @ self.w).relu() + {bias}

@@ -45,7 +45,7 @@ from tessera.piece import PieceRecord
 from tessera.wrapper import PortableCode
 
 WARM_DIR = "warm"
-FORMAT = 4
+FORMAT = 5
 
 
 class WarmStartUnavailable(Exception):

@@ -40,7 +40,7 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
-FINGERPRINT_FORMAT = 4
+FINGERPRINT_FORMAT = 5  # 5: the full call state (CPU autocast too), guard-derived call specs
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -331,7 +331,9 @@ def fingerprint(
         "defaults": describe(func.__defaults__),
         "model": _module_state(bound_to) if isinstance(bound_to, torch.nn.Module) else repr(type(bound_to)),
         "inputs": [(n, describe(v, frozenset(dynamic.get(n, ())))) for n, v in arguments.items()],
-        "state": [torch.is_grad_enabled(), str(torch.get_default_dtype()), torch.is_autocast_enabled()],
+        # The global state the graph bakes in (autocast on any device, default dtype, function
+        # modes). Grad mode is not: tessera traces inference graphs whatever the caller's mode.
+        "state": repr(_compat.call_state()),
         "config": config.compute_hash(),
         "compiler": compiler_hash,
         "where": [prefix, rank],

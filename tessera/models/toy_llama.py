@@ -176,17 +176,19 @@ def build_decode(
     device: str | torch.device = "cpu",
     **sizes: Any,
 ) -> ToyLlamaDecode:
-    """A decode-shaped ToyLlama (deterministic random weights, empty KV caches) in eval mode."""
+    """A decode-shaped ToyLlama (deterministic random weights, empty KV caches) for inference:
+    eval mode, parameters frozen."""
     torch.manual_seed(seed)
     model = ToyLlamaDecode(ToyLlamaConfig(**sizes), max_batch, max_len)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def build(seed: int = 0, dtype: torch.dtype = torch.float32, **sizes: Any) -> ToyLlama:
-    """A ToyLlama in eval mode with deterministic random weights; ``sizes`` override the config."""
+    """A ToyLlama for inference (eval mode, parameters frozen) with deterministic random weights;
+    ``sizes`` override the config. Call ``requires_grad_(True)`` for a trainable one."""
     torch.manual_seed(seed)
     model = ToyLlama(ToyLlamaConfig(**sizes))
-    return model.to(dtype).eval()
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def example_inputs(

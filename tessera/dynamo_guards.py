@@ -1,0 +1,306 @@
+"""Dynamo's guards, turned into the call check's assumptions before the first call runs.
+
+Every guard Dynamo produced for the one trace is either kept, as an expression the per-call check
+compares (guards.py), or dropped on purpose for the reason in ``DROPPED``. A guard on the call's
+arguments of a kind tessera does not know refuses the compile, naming it: never a silent drop.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera._compat import GuardFact
+from tessera.errors import UnsupportedModelError
+from tessera.guards import Assumption, layout_of, local_expression
+
+log = logging.getLogger(__name__)
+
+# Why each dropped kind of guard is not re-checked per call. Keys are (kind, root); root "*" is
+# any root. Roots: "input" (the call's arguments), "model" (the model and what it holds, reached
+# through ``target``), "global" (module globals), "state" (torch's global state).
+DROPPED: dict[tuple[str, str], str] = {
+    # Global state: checked by tessera's own state record (guards.CallState), or irrelevant to an
+    # inference graph.
+    ("GRAD_MODE", "state"): "grad mode: tessera compiles inference graphs (see api.py, grad policy)",
+    ("GLOBAL_STATE", "state"): "autocast and the default dtype are in tessera's call state check",
+    ("TORCH_FUNCTION_STATE", "state"): "function modes are in tessera's call state check",
+    ("DEFAULT_DEVICE", "state"): "the default device is a function mode: in tessera's call state check",
+    ("DETERMINISTIC_ALGORITHMS", "state"): "picks kernels, not results",
+    ("AUTOGRAD_SAVED_TENSORS_HOOKS", "state"): "inference graphs save no tensors for backward",
+    ("FUNCTORCH_STACK_MATCH", "state"): "functorch transforms are not traced through tessera",
+    ("DUAL_LEVEL", "state"): "forward-mode AD is not traced through tessera",
+    # The model's structure: fixed once compiled (a changed structure needs a new tessera.compile;
+    # checking it would cost a lookup per submodule per call). Its parameters, buffers and plain
+    # values (config numbers, flags, closures) are kept.
+    ("TYPE_MATCH", "model"): "the type of a submodule or of its parameter dicts: structure",
+    ("ID_MATCH", "model"): "the identity of a submodule or class: structure",
+    ("CLASS_MATCH", "model"): "a submodule's class: structure",
+    ("MODULE_MATCH", "model"): "a Python module reached from the model: code",
+    ("NN_MODULE", "model"): "a submodule's identity: structure",
+    ("HASATTR", "model"): "attribute presence on the model: structure",
+    ("NOT_PRESENT_IN_GENERIC_DICT", "model"): "attribute shadowing on the model: structure",
+    ("DICT_NOT_CONTAINS", "*"): "class dictionaries: the type is checked and its source is in the cache key",
+    ("DICT_CONTAINS", "model"): "dict membership inside the model: structure",
+    ("DICT_KEYS_MATCH", "model"): "the keys of the model's submodule and parameter dicts: structure",
+    ("EMPTY_NN_MODULE_HOOKS_DICT", "model"): (
+        "submodule hooks: registering one after compiling needs a new tessera.compile (the root's "
+        "hooks run as in eager)"
+    ),
+    ("CLOSURE_MATCH", "*"): "the code of a function: its source file is in the cache key",
+    ("FUNCTION_MATCH", "model"): "a method of the model: code, in the cache key",
+    ("DUPLICATE_INPUT", "model"): "two names for one object of the model: structure",
+    ("DUPLICATE_INPUT", "global"): "two names for one global: imports",
+    ("SEQUENCE_LENGTH", "global"): "the length of a global registry: imports",
+    ("NO_TENSOR_ALIASING", "*"): (
+        "distinct tensors assumed distinct: differs only for a model that writes to one input and "
+        "reads another that aliases it"
+    ),
+    ("NOT_PRESENT_IN_GENERIC_DICT", "input"): (
+        "an instance attribute shadowing its class's attribute: the argument's type is checked"
+    ),
+    ("WEAKREF_ALIVE", "*"): "tessera holds what it checks",
+    ("OBJECT_MUTATION", "*"): "tracked by the values it guards, which are kept",
+}
+# Globals: module-level functions, classes, modules and registries are the program's code, whose
+# source files are in the cache key; they do not change between calls of one process. Their plain
+# values (a module-level float) and tensors are kept.
+_GLOBAL_VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH"})
+# A module-level value reached by plain attributes (``G['__import_m'].SCALE``, a function's
+# ``__defaults__[0]``): kept. Registries read through calls and closures are not.
+_PLAIN_GLOBAL = re.compile(r"^G\['[^']+'\](\.\w+)+(\[\d+\])?$")
+_GLOBAL_REASON = "module-level code, classes, modules and registries: imports, in the cache key"
+# Expressions through a class's internals (``dict(type(x).__mro__[1].__dict__)``): the type itself
+# is checked; reading them per call would copy a dict each time.
+_CLASS_INTERNALS = re.compile(r"^(dict\(type\(|type\()|\.__mro__|\.__dict__\)")
+_CLASS_REASON = "class internals: the argument's type is checked and its source is in the cache key"
+# Values tessera itself sets while it traces (wrapper/_compat.single_trace_settings): the graph is
+# made for them, whatever the caller's setting.
+_OWN_SETTINGS = re.compile(r"torch\.backends\.mha\._is_fastpath_enabled$")
+_OWN_REASON = "a setting tessera fixes while tracing (the MHA fast path is off: the graph takes the plain path)"
+_STATE_KINDS = frozenset(k for k, root in DROPPED if root == "state")
+_IDENTITY_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "MODULE_MATCH"})
+_VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+# A bound on one size (Dynamo's 0/1 specialisation, ``2 <= s0``; a max): tessera serves every
+# size of a dynamic dim from the general graph, as documented. Relations between sizes are kept.
+_SIZE_BOUND = re.compile(r"^(\d+ <= [\w\[\]'.()]+\.size\(\)\[\d+\]|[\w\[\]'.()]+\.size\(\)\[\d+\] <= \d+)$")
+
+
+@dataclass(frozen=True)
+class Translation:
+    """Dynamo's guards as assumptions, with the objects their expressions read through."""
+
+    assumptions: tuple[Assumption, ...]
+    parents: tuple[str, ...]  # ``_o{i}`` binds to the i-th expression (over ``target`` and ``G``)
+    dropped: tuple[tuple[str, int], ...]  # (reason, how many guards) dropped on purpose
+
+
+def fact_name_is_root(name: str) -> bool:
+    """``target`` itself, its ``__self__`` or ``__func__``: the compiled callable, ours to hold."""
+    return name in ("target", "target.__self__", "target.__func__")
+
+
+def root_of(name: str) -> str:
+    """Which root a guard source starts from: input, model, global or state."""
+    if not name:
+        return "state"
+    names = {n.id for n in ast.walk(_parse(name)) if isinstance(n, ast.Name)}
+    if names & {"args", "kwargs"}:
+        return "input"
+    if "target" in names:
+        return "model"
+    return "global"
+
+
+def _parse(expr: str) -> ast.AST:
+    try:
+        return ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return ast.parse("None", mode="eval")
+
+
+class _Builder:
+    def __init__(self, symbolic: Mapping[str, tuple[bool, ...]], label: Callable[[str], str]) -> None:
+        self.symbolic = symbolic
+        self.label = label
+        self.assumptions: list[Assumption] = []
+        self.parents: list[str] = []
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.current = ""  # the source of the guard being translated
+
+    def bound(self, name: str, root: str) -> str:
+        """``name`` with the object it reads through bound once (model and global roots): the
+        check then pays one lookup, not the whole attribute chain."""
+        if root == "input":
+            return name
+        tree = _parse(name)
+        body = getattr(tree, "body", None)
+        if isinstance(body, ast.Attribute):
+            parent, tail = ast.unparse(body.value), f".{body.attr}"
+        elif isinstance(body, ast.Subscript) and isinstance(body.slice, ast.Constant):
+            parent, tail = ast.unparse(body.value), f"[{body.slice.value!r}]"
+        else:
+            return name
+        if parent in ("target", "G"):
+            return name
+        if parent not in self.parents:
+            self.parents.append(parent)
+        return f"_o{self.parents.index(parent)}{tail}"
+
+    def add(self, expr: str, expected: Any, label: str, state: bool = False) -> None:
+        self.assumptions.append(Assumption(expr, expected, label, state=state))
+
+    def tensor(self, expr: str, name: str, value: torch.Tensor, root: str, label: str) -> None:
+        self.add(f"type({expr})", type(value), f"{label}: type")
+        self.add(f"{expr}.dtype", value.dtype, f"{label}: dtype")
+        self.add(f"{expr}.device", value.device, f"{label}: device")
+        symbolic = self.symbolic.get(name, (False,) * value.dim())
+        if root != "input" or not any(symbolic):
+            self.add(f"{expr}.shape", value.shape, f"{label}: shape")
+        else:
+            self.add(f"{expr}.dim()", value.dim(), f"{label}: number of dims")
+            for d, size in enumerate(value.shape):
+                if not symbolic[d]:
+                    self.add(f"{expr}.shape[{d}]", int(size), f"{label}: size of dim {d} (static)")
+        if root != "input":
+            return  # a parameter or buffer: its layout is the model's own, fixed once compiled
+        if value.is_contiguous():
+            self.add(f"{expr}.is_contiguous()", True, f"{label}: layout (contiguous)")
+        elif not any(symbolic):
+            self.add(f"{expr}.stride()", value.stride(), f"{label}: layout (strides)")
+        else:
+            self.add(f"_layout({expr})", layout_of(value), f"{label}: layout (stride order)")
+
+    def value(self, expr: str, value: Any, label: str, state: bool) -> None:
+        self.add(f"type({expr})", type(value), f"{label}: type")
+        self.add(expr, value, f"{label}: value", state=state)
+
+    def fact(self, fact: GuardFact) -> None:
+        root = root_of(fact.name)
+        kind = fact.kind
+        if root == "state" or kind in _STATE_KINDS:
+            self._drop(kind, "state")
+            return
+        if _OWN_SETTINGS.search(self.label(fact.name)):
+            self.dropped[_OWN_REASON] += 1
+            return
+        if _CLASS_INTERNALS.search(fact.name):
+            self.dropped[_CLASS_REASON] += 1
+            return
+        if root == "global" and (kind not in _GLOBAL_VALUE_KINDS or not _PLAIN_GLOBAL.match(fact.name)):
+            self.dropped[_GLOBAL_REASON] += 1
+            return
+        if kind == "SHAPE_ENV":
+            self.shape_guards(fact.code)
+            return
+        self.current = fact.name
+        label = self.label(fact.name)
+        expr = self.bound(fact.name, root)
+        value = fact.value
+        if kind == "TENSOR_MATCH" and isinstance(value, torch.Tensor):
+            self.tensor(expr, fact.name, value, root, label)
+        elif kind in _VALUE_KINDS and fact.has_value:
+            # An int read from an argument object (a StaticCache's length) is state: it may be
+            # traced as a symbol once it changes (api.py).
+            state = root == "input" and not re.match(r"^(args\[\d+\]|kwargs\['[^']*'\])$", fact.name)
+            self.value(expr, value, label, state)
+        elif kind in _IDENTITY_KINDS and fact.has_value and not self._structure(kind, root, value):
+            self.add(expr, value, f"{label}: identity")
+        elif kind == "TYPE_MATCH" and fact.has_value and not self._structure(kind, root, value):
+            self.add(f"type({expr})", type(value), f"{label}: type")
+        elif kind == "SEQUENCE_LENGTH" and fact.has_value and root != "global":
+            self.add(f"type({expr})", type(value), f"{label}: type")
+            self.add(f"len({expr})", len(value), f"{label}: length")
+        elif kind in ("DICT_KEYS_MATCH", "DICT_KEYS") and fact.has_value and root == "input":
+            self.add(f"list({expr}.keys())", list(value.keys()), f"{label}: keys")
+        elif kind == "HASATTR" and fact.has_value and "attr" in dict(fact.detail):
+            attr = dict(fact.detail)["attr"]
+            self.add(f"hasattr({expr}, {attr!r})", hasattr(value, attr), f"{label}: has .{attr}")
+        elif kind == "NOT_NONE_MATCH":
+            self.add(f"{expr} is not None", True, f"{label}: not None")
+        elif (kind, root) in DROPPED or (kind, "*") in DROPPED:
+            self._drop(kind, root)
+        elif root == "input" and self.generic(fact):
+            pass
+        elif root == "input":
+            raise UnsupportedModelError(
+                f"Dynamo guards {fact.name} with a {kind} guard, which tessera's call check does not "
+                "know how to re-check; dropping it could serve a changed argument wrongly. Use "
+                "mode='stock' (Dynamo keeps its guards) or pass that value in another form"
+            )
+        else:
+            self._drop(kind, root)
+
+    def _structure(self, kind: str, root: str, value: Any) -> bool:
+        """A model-rooted guard on its structure (submodules, their dicts, classes): dropped."""
+        if root != "model":
+            return False
+        structural = fact_name_is_root(self.current) or isinstance(value, (torch.nn.Module, dict, type, type(torch))) or kind in (
+            "CLASS_MATCH",
+            "MODULE_MATCH",
+        )
+        if structural:
+            self._drop(kind, root)
+        return structural
+
+    def _drop(self, kind: str, root: str) -> None:
+        reason = DROPPED.get((kind, root)) or DROPPED.get((kind, "*")) or f"{kind} on the {root}"
+        self.dropped[reason] += 1
+
+    def generic(self, fact: GuardFact) -> bool:
+        """A guard of another kind, kept through Dynamo's own Python form when it has a portable one."""
+        exprs = [local_expression(code) for code in fact.code]
+        if not exprs or any(e is None or "___" in e for e in exprs):
+            return False
+        for expr in exprs:
+            assert expr is not None, "filtered above"
+            self.add(expr, True, f"{self.label(fact.name)}: {fact.kind} {expr}")
+        return True
+
+    def shape_guards(self, code: tuple[str, ...]) -> None:
+        for guard in code:
+            expr = local_expression(guard)
+            if expr is None or "._base" in expr:
+                # A guard on a view's base: what the view came from, not what the graph computes.
+                self.dropped["shape guards on a view's base or outside the arguments"] += 1
+                continue
+            if _SIZE_BOUND.match(expr):
+                self.dropped["a bound on one dynamic size (0/1 specialisation, maximum)"] += 1
+                continue
+            self.add(expr, True, f"sizes: {expr}", state=True)
+
+
+def translate(
+    facts: list[GuardFact],
+    symbolic: Mapping[str, tuple[bool, ...]],
+    label: Callable[[str], str],
+) -> Translation:
+    """Dynamo's guards of the one trace as assumptions (read now, before the first call runs).
+
+    ``symbolic`` gives, per graph input, the dims Dynamo kept symbolic; ``label(name)`` names a
+    source for messages. Raises UnsupportedModelError for a guard on the arguments of a kind
+    tessera cannot re-check.
+    """
+    builder = _Builder(symbolic, label)
+    for fact in facts:
+        builder.fact(fact)
+    return Translation(tuple(builder.assumptions), tuple(builder.parents), tuple(builder.dropped.items()))
+
+
+def readable(name: str, names: Mapping[str, str]) -> str:
+    """A guard source as a user knows it: ``input_ids``, ``model.layers.0.weight``, ``scale``."""
+    root = re.match(r"^(args\[\d+\]|kwargs\['[^']*'\])", name)
+    if root is not None:
+        return names.get(root.group(1), root.group(1)) + name[root.end() :]
+    text = name.replace("target.__self__", "model").replace("target.__func__", "function")
+    text = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", text)
+    text = re.sub(r"G\['__import_([\w]+)'\]", lambda m: m.group(1).replace("_dot_", "."), text)
+    return re.sub(r"G\['([^']*)'\]", r"\1", text)
