@@ -139,13 +139,14 @@ def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in keywords.items() if isinstance(v, str)))
 
 
-def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[bool, ...]]:
-    """Source name (``args[0]``) -> which dims of that graph input Dynamo kept symbolic.
+def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
+    """Source name (``args[0]``) -> per dim of that graph input, the symbol Dynamo gave it (its
+    expression as text), or None for a static dim.
 
     Read from the placeholders' ``grapharg`` and ``example_value`` metadata (torch 2.11-2.15; no
     public accessor). A dim Dynamo specialised (a default dim the code fixes) reads as static.
     """
-    out: dict[str, tuple[bool, ...]] = {}
+    out: dict[str, tuple[str | None, ...]] = {}
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -156,7 +157,8 @@ def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[bool, ...]]:
             continue
         name = local_source_name(source.name() if callable(source.name) else str(source.name))
         out[name] = tuple(
-            isinstance(s, torch.SymInt) and not is_constant_symint(s) for s in value.shape
+            str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else None
+            for s in value.shape
         )
     return out
 
@@ -166,6 +168,13 @@ def local_source_name(name: str) -> str:
     ``dynamo_source_name``)."""
     match = re.match(r"^L\[['\"](\w+)['\"]\](.*)$", name)
     return f"{match.group(1)}{match.group(2)}" if match else name
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements fill its storage span without gaps or overlap
+    (``Tensor.is_non_overlapping_and_dense``: a method since long before 2.11, absent from the type
+    stubs through 2.15)."""
+    return bool(tensor.is_non_overlapping_and_dense())  # type: ignore[attr-defined]
 
 
 def call_state() -> tuple[Any, ...]:

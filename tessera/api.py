@@ -36,7 +36,6 @@ from tessera.report import CompileReport, build_report, counter_delta, save_repo
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
-    Trace,
     bind_arguments,
     choose_dynamic_dims,
     entry_frame,
@@ -199,6 +198,11 @@ class CompiledModel:
     def trace_code(self) -> types.CodeType | None:
         """Dynamo's transformed code of the traced frame (None after a warm start)."""
         return self._trace_code
+
+    @property
+    def check_namespace(self) -> dict[str, Any]:
+        """What the call check reads besides the arguments (the model, the objects it holds)."""
+        return dict(self._bound)
 
     @property
     def entry_frame(self) -> types.FunctionType:
@@ -376,7 +380,7 @@ class CompiledModel:
     # -- the call check ------------------------------------------------------------------------
     def _recorder(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice
-    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[bool, ...]]], guards.CallSpec]:
+    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], guards.CallSpec]:
         """What reads Dynamo's guards into the call spec: called during the trace, after the graph
         is compiled and before the first call runs (so a model that appends to a list argument
         is checked against the list as passed)."""
@@ -386,8 +390,13 @@ class CompiledModel:
             dynamic.setdefault(name, set()).add(dim)
         state = _compat.call_state()
 
-        def read(facts: list[_compat.GuardFact], symbolic: dict[str, tuple[bool, ...]]) -> guards.CallSpec:
-            translation = dynamo_guards.translate(facts, symbolic, lambda n: dynamo_guards.readable(n, names))
+        def read(
+            facts: list[_compat.GuardFact], symbols: dict[str, tuple[str | None, ...]], writes: bool
+        ) -> guards.CallSpec:
+            symbolic = {name: tuple(s is not None for s in dims) for name, dims in symbols.items()}
+            translation = dynamo_guards.translate(
+                facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
+            )
             spec = guards.record(
                 args,
                 kwargs,
@@ -396,6 +405,7 @@ class CompiledModel:
                 translation.assumptions,
                 translation.parents,
                 state,
+                writes,
             )
             # An assumption the very call it came from breaks is a translation tessera cannot
             # check: say so (it would refuse every call), and keep the rest.
@@ -438,7 +448,9 @@ class CompiledModel:
         self._bound = spec.bind(self._target, globals_)
         self._tensors = guards.tensor_reader(spec, self._bound)
         call = (
-            guards.make_checked_call(spec, fast, self._slow_call, self._bound) if self.config.check_inputs else fast
+            guards.make_checked_call(spec, fast, self._slow_call, self._bound)
+            if self.config.check_inputs
+            else fast
         )
         self._checked = call
         module = self._module
@@ -457,9 +469,16 @@ class CompiledModel:
         """Raise GradientsNotSupportedError when a tensor the call reads requires grad (grad is on)."""
         needing = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if needing is not None:
+            owner = self._module if self._module is not None else self._bound_to
+            names = (
+                {id(p): n for n, p in owner.named_parameters()} if isinstance(owner, torch.nn.Module) else {}
+            )
+            what = (
+                f"parameter {names[id(needing)]}" if id(needing) in names else guards.describe_tensor(needing)
+            )
             raise guards.GradientsNotSupportedError(
-                f"{self.name}: called with grad enabled and a tensor it reads requires grad "
-                f"({guards.describe_tensor(needing)}), so eager's result would carry gradients. tessera "
+                f"{self.name}: called with grad enabled and {what} requires grad, so eager's result "
+                "would carry gradients. tessera "
                 "compiles inference graphs: call it under torch.inference_mode() or torch.no_grad(), "
                 "freeze the parameters (model.requires_grad_(False)), or use mode='stock' to train"
             )
@@ -507,7 +526,7 @@ class CompiledModel:
         positional, keywords = list(args), dict(kwargs)
         for assumption, _ in mismatches:
             path = guards.layout_path(assumption)
-            if path is None or path in self._mutated:
+            if path is None or path in self._mutated or (self.call_spec and self.call_spec.writes_in_place):
                 continue
             kind, key = path
             if kind == "args" and isinstance(positional[int(key)], torch.Tensor):

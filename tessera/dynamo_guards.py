@@ -46,7 +46,7 @@ DROPPED: dict[tuple[str, str], str] = {
     ("MODULE_MATCH", "model"): "a Python module reached from the model: code",
     ("NN_MODULE", "model"): "a submodule's identity: structure",
     ("HASATTR", "model"): "attribute presence on the model: structure",
-    ("NOT_PRESENT_IN_GENERIC_DICT", "model"): "attribute shadowing on the model: structure",
+    ("NOT_PRESENT_IN_GENERIC_DICT", "model"): "attribute shadowing on a submodule: structure",
     ("DICT_NOT_CONTAINS", "*"): "class dictionaries: the type is checked and its source is in the cache key",
     ("DICT_CONTAINS", "model"): "dict membership inside the model: structure",
     ("DICT_KEYS_MATCH", "model"): "the keys of the model's submodule and parameter dicts: structure",
@@ -63,9 +63,7 @@ DROPPED: dict[tuple[str, str], str] = {
         "distinct tensors assumed distinct: differs only for a model that writes to one input and "
         "reads another that aliases it"
     ),
-    ("NOT_PRESENT_IN_GENERIC_DICT", "input"): (
-        "an instance attribute shadowing its class's attribute: the argument's type is checked"
-    ),
+    ("NOT_PRESENT_IN_GENERIC_DICT", "input"): "attribute shadowing on a module passed as an argument",
     ("WEAKREF_ALIVE", "*"): "tessera holds what it checks",
     ("OBJECT_MUTATION", "*"): "tracked by the values it guards, which are kept",
 }
@@ -84,7 +82,9 @@ _CLASS_REASON = "class internals: the argument's type is checked and its source 
 # Values tessera itself sets while it traces (wrapper/_compat.single_trace_settings): the graph is
 # made for them, whatever the caller's setting.
 _OWN_SETTINGS = re.compile(r"torch\.backends\.mha\._is_fastpath_enabled$")
-_OWN_REASON = "a setting tessera fixes while tracing (the MHA fast path is off: the graph takes the plain path)"
+_OWN_REASON = (
+    "a setting tessera fixes while tracing (the MHA fast path is off: the graph takes the plain path)"
+)
 _STATE_KINDS = frozenset(k for k, root in DROPPED if root == "state")
 _IDENTITY_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "MODULE_MATCH"})
 _VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
@@ -221,9 +221,23 @@ class _Builder:
             self.add(f"len({expr})", len(value), f"{label}: length")
         elif kind in ("DICT_KEYS_MATCH", "DICT_KEYS") and fact.has_value and root == "input":
             self.add(f"list({expr}.keys())", list(value.keys()), f"{label}: keys")
+        elif kind == "CLOSURE_MATCH" and fact.has_value and getattr(value, "__closure__", None):
+            self.closure(fact.name, value, label)
         elif kind == "HASATTR" and fact.has_value and "attr" in dict(fact.detail):
             attr = dict(fact.detail)["attr"]
             self.add(f"hasattr({expr}, {attr!r})", hasattr(value, attr), f"{label}: has .{attr}")
+        elif (
+            kind == "NOT_PRESENT_IN_GENERIC_DICT"
+            and fact.has_value
+            and "attr" in dict(fact.detail)
+            and not isinstance(value, torch.nn.Module)
+        ):
+            # A plain object's attribute read from its class (a config's default): setting it on the
+            # instance later would shadow what the graph baked in.
+            attr = dict(fact.detail)["attr"]
+            self.add(
+                f"{attr!r} in vars({expr})", attr in vars(value), f"{label}: .{attr} set on the instance"
+            )
         elif kind == "NOT_NONE_MATCH":
             self.add(f"{expr} is not None", True, f"{label}: not None")
         elif (kind, root) in DROPPED or (kind, "*") in DROPPED:
@@ -239,13 +253,37 @@ class _Builder:
         else:
             self._drop(kind, root)
 
+    def closure(self, name: str, function: Any, label: str) -> None:
+        """A function's closure cells: their plain values and identities are what the graph baked
+        in (its code is dropped: the source file is in the cache key). Tensors and modules in a
+        cell are guarded on their own."""
+        self._drop("CLOSURE_MATCH", "*")
+        for i, cell in enumerate(function.__closure__):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(contents, (torch.Tensor, torch.nn.Module)):
+                continue
+            expr = self.bound(f"{name}.__closure__[{i}].cell_contents", root_of(name))
+            where = f"{label} closure[{i}]"
+            if isinstance(contents, _SCALARS):
+                self.value(expr, contents, where, state=False)
+            else:
+                self.add(expr, contents, f"{where}: identity")
+
     def _structure(self, kind: str, root: str, value: Any) -> bool:
         """A model-rooted guard on its structure (submodules, their dicts, classes): dropped."""
         if root != "model":
             return False
-        structural = fact_name_is_root(self.current) or isinstance(value, (torch.nn.Module, dict, type, type(torch))) or kind in (
-            "CLASS_MATCH",
-            "MODULE_MATCH",
+        structural = (
+            fact_name_is_root(self.current)
+            or isinstance(value, (torch.nn.Module, dict, type, type(torch)))
+            or kind
+            in (
+                "CLASS_MATCH",
+                "MODULE_MATCH",
+            )
         )
         if structural:
             self._drop(kind, root)
@@ -265,6 +303,25 @@ class _Builder:
             self.add(expr, True, f"{self.label(fact.name)}: {fact.kind} {expr}")
         return True
 
+    def relations(self, symbols: Mapping[str, tuple[str | None, ...]]) -> None:
+        """Dims Dynamo gave one symbol (``x + y`` traced with equal sizes) must stay equal: the
+        compiled kernels index both with one size. Only argument-rooted inputs are related."""
+        first: dict[str, str] = {}
+        for name, dims in symbols.items():
+            if root_of(name) != "input":
+                continue
+            for d, symbol in enumerate(dims):
+                if symbol is None:
+                    continue
+                here = f"{name}.shape[{d}]"
+                if symbol in first:
+                    expr = f"{here} == {first[symbol]}"
+                    self.add(
+                        expr, True, f"sizes: {self.label(name)} dim {d} equals {first[symbol]}", state=True
+                    )
+                else:
+                    first[symbol] = here
+
     def shape_guards(self, code: tuple[str, ...]) -> None:
         for guard in code:
             expr = local_expression(guard)
@@ -282,6 +339,7 @@ def translate(
     facts: list[GuardFact],
     symbolic: Mapping[str, tuple[bool, ...]],
     label: Callable[[str], str],
+    relations: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> Translation:
     """Dynamo's guards of the one trace as assumptions (read now, before the first call runs).
 
@@ -292,6 +350,7 @@ def translate(
     builder = _Builder(symbolic, label)
     for fact in facts:
         builder.fact(fact)
+    builder.relations(relations or {})
     return Translation(tuple(builder.assumptions), tuple(builder.parents), tuple(builder.dropped.items()))
 
 

@@ -44,12 +44,7 @@ def layout_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
     dense (no gaps, no overlap). Two tensors of one class and one shape have equal strides."""
     strides = tensor.stride()
     order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
-    return order, _compat_dense(tensor)
-
-
-def _compat_dense(tensor: torch.Tensor) -> bool:
-    # Tensor.is_non_overlapping_and_dense is public from torch 2.11 on (C++ since long before).
-    return bool(tensor.is_non_overlapping_and_dense())
+    return order, _compat.is_dense(tensor)
 
 
 def to_layout(tensor: torch.Tensor, expected: Any) -> torch.Tensor:
@@ -84,6 +79,7 @@ class CallSpec:
     assumptions: tuple[Assumption, ...]
     parents: tuple[str, ...] = ()
     global_state: tuple[Any, ...] = ()
+    writes_in_place: bool = False  # the graph writes in place: arguments are never copied
 
     def bind(self, target: Any, globals_: Mapping[str, Any]) -> dict[str, Any]:
         """The names the assumptions read besides ``args``/``kwargs``, resolved for ``target``.
@@ -154,6 +150,7 @@ def record(
     derived: Sequence[Assumption] = (),
     parents: Sequence[str] = (),
     global_state: Sequence[Any] = (),
+    writes_in_place: bool = False,
 ) -> CallSpec:
     """The spec of the first call, taken before it runs: ``names(path)`` gives an argument's name,
     ``dynamic(path)`` its dynamic dims; ``derived`` are Dynamo's guards as assumptions
@@ -170,7 +167,9 @@ def record(
         if assumption.expr not in seen:
             seen.add(assumption.expr)
             assumptions.append(assumption)
-    return CallSpec(len(args), tuple(kwargs), tuple(assumptions), tuple(parents), tuple(global_state))
+    return CallSpec(
+        len(args), tuple(kwargs), tuple(assumptions), tuple(parents), tuple(global_state), writes_in_place
+    )
 
 
 _GUARD_NODES = (
@@ -327,9 +326,7 @@ def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tup
     source = (
         "def tensors(args, kwargs):\n"
         "    out = []\n"
-        + "".join(
-            f"    try:\n        out.append({e})\n    except Exception:\n        pass\n" for e in exprs
-        )
+        + "".join(f"    try:\n        out.append({e})\n    except Exception:\n        pass\n" for e in exprs)
         + "    return tuple(out)\n"
     )
     namespace: dict[str, Any] = dict(bound)
@@ -342,7 +339,7 @@ def explain_state(expected: Sequence[Any], found: Sequence[Any]) -> str:
     labels = ("autocast (device, dtype)", "default dtype", "torch function modes (e.g. `with torch.device`)")
     parts = [
         f"{label}: the trace ran with {want!r}, this call with {got!r}"
-        for label, want, got in zip(labels, expected, found)
+        for label, want, got in zip(labels, expected, found, strict=False)
         if want != got
     ]
     return "; ".join(parts) or "global state differs"
@@ -374,7 +371,13 @@ def normalise(
             elif param.default is not param.empty:
                 positional.append(param.default)
     if var_positional is not None:
-        values.pop(var_positional, None)
+        extra = values.pop(var_positional, ())
+        if len(args) != spec.num_args and len(extra):
+            raise InputMismatchError(
+                f"*{var_positional}: the first call passed {spec.num_args} positional argument(s), this "
+                f"call {len(args)}; tessera traced the model once for the first call's arguments. "
+                "Compile another instance for calls with more, or use mode='stock'"
+            )
     keywords: dict[str, Any] = {}
     for key in spec.keywords:
         if key in values:
@@ -438,7 +441,10 @@ def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
             "argument into it itself unless the model writes to that argument"
         )
     elif assumption.label.startswith(("model.", "function.")):
-        advice = "the model changed after tessera.compile (a parameter's dtype or device, a setting): compile it again"
+        advice = (
+            "the model changed after tessera.compile (a parameter's dtype or device, a setting): "
+            "compile it again"
+        )
     elif "size of dim" in assumption.label:
         advice = "mark that dim dynamic (dynamic_dims={...}), compile another instance for this shape"
     elif assumption.state:

@@ -148,8 +148,9 @@ class Trace:
     guards: Any  # what ``on_guards`` made of Dynamo's guards, before the first call ran
 
 
-# on_guards(facts, symbolic): Dynamo's guards and, per graph input, its symbolic dims.
-GuardReader = Callable[[list[_compat.GuardFact], dict[str, tuple[bool, ...]]], Any]
+# on_guards(facts, symbols, writes): Dynamo's guards; per graph input, each dim's symbol (None:
+# static); whether the graph writes in place to anything.
+GuardReader = Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], Any]
 
 
 def trace_once(
@@ -175,7 +176,7 @@ def trace_once(
     """
     code = entry.__code__
     captured: list[types.CodeType] = []
-    symbolic: dict[str, tuple[bool, ...]] = {}
+    symbolic: dict[str, tuple[str | None, ...]] = {}
     read: list[Any] = []
     failed: list[BaseException] = []
 
@@ -183,14 +184,17 @@ def trace_once(
         if old is code:
             captured.append(new)
 
+    writes: list[bool] = []
+
     def inputs_then_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         symbolic.update(_compat.placeholder_dims(gm))
+        writes.append(graph_writes_in_place(gm))
         return backend(gm, example_inputs)
 
     def drop_guards(entries: list[Any]) -> list[bool]:
         # Every guard is dropped; on_guards turns them into tessera's call check first.
         try:
-            read.append(on_guards([_compat.guard_fact(e) for e in entries], symbolic))
+            read.append(on_guards([_compat.guard_fact(e) for e in entries], symbolic, any(writes)))
         except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
             failed.append(e)
         return [False] * len(entries)
@@ -223,6 +227,19 @@ def trace_once(
     if not captured or not read:
         raise UnsupportedModelError(f"Dynamo did not trace {name}; tessera needs the forward in one graph")
     return Trace(output, _as_function(captured[-1], entry), captured[-1], read[-1])
+
+
+def graph_writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo's graph calls an in-place op (``x.add_(1)``, ``out=``): then an argument may
+    be written, and a copy of it (to fix its layout) would lose the write. Conservative: any
+    in-place call counts, whatever it writes to."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs:
+            return True
+    return False
 
 
 def _as_function(code: types.CodeType, entry: types.FunctionType) -> Callable[..., Any]:

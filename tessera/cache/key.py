@@ -134,6 +134,9 @@ def collect_factors(
         "compiler": {"name": compiler_name, "hash": compiler_hash},
         "torch_version": torch.__version__,
         "graph": graph_hash,
+        # The eager compiler's graph is the same under autocast: the entry (and its whole-model
+        # artifact) must not be shared between states the graph would run differently under.
+        "call_state": repr(_compat.call_state()),
         "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
     }
 

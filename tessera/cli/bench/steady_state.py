@@ -106,7 +106,9 @@ def _check_alone_us(compiled: Any) -> float:
     from tessera import guards
 
     assert compiled.call_spec is not None, "compile first"
-    check = guards.make_checked_call(compiled.call_spec, lambda *a, **k: None, lambda a, k: None)
+    check = guards.make_checked_call(
+        compiled.call_spec, lambda *a, **k: None, lambda a, k: None, compiled.check_namespace
+    )
     args = toy_llama.example_inputs(16)
     number = 20000
     best = min(timeit.repeat(lambda: check(*args), number=number, repeat=5))
