@@ -254,23 +254,20 @@ class _Builder:
             self._drop(kind, root)
 
     def closure(self, name: str, function: Any, label: str) -> None:
-        """A function's closure cells: their plain values and identities are what the graph baked
-        in (its code is dropped: the source file is in the cache key). Tensors and modules in a
-        cell are guarded on their own."""
+        """A function's closure cells: their plain values are what the graph baked in (its code is
+        dropped: the source file is in the cache key)."""
         self._drop("CLOSURE_MATCH", "*")
         for i, cell in enumerate(function.__closure__):
             try:
                 contents = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(contents, (torch.Tensor, torch.nn.Module)):
+            if not isinstance(contents, _SCALARS):
+                # Functions a decorator wraps, modules, tensors: code (in the cache key) or guarded
+                # on their own.
                 continue
             expr = self.bound(f"{name}.__closure__[{i}].cell_contents", root_of(name))
-            where = f"{label} closure[{i}]"
-            if isinstance(contents, _SCALARS):
-                self.value(expr, contents, where, state=False)
-            else:
-                self.add(expr, contents, f"{where}: identity")
+            self.value(expr, contents, f"{label} closure[{i}]", state=False)
 
     def _structure(self, kind: str, root: str, value: Any) -> bool:
         """A model-rooted guard on its structure (submodules, their dicts, classes): dropped."""
