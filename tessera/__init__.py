@@ -18,9 +18,12 @@ _EXPORTS = {
     "CompiledModel": "tessera.api",
     "CompilerError": "tessera.errors",
     "ConfigError": "tessera.errors",
+    "GradientsNotSupportedError": "tessera.guards",
+    "InputMismatchError": "tessera.guards",
     "PieceRecord": "tessera.piece",
     "SizeNotCompiledError": "tessera.errors",
     "SizeRange": "tessera.config",
+    "StateMismatchError": "tessera.guards",
     "TesseraError": "tessera.errors",
     "UnsupportedModelError": "tessera.errors",
     "compile": "tessera.api",
@@ -35,9 +38,12 @@ __all__ = [
     "CompiledModel",
     "CompilerError",
     "ConfigError",
+    "GradientsNotSupportedError",
+    "InputMismatchError",
     "PieceRecord",
     "SizeNotCompiledError",
     "SizeRange",
+    "StateMismatchError",
     "TesseraError",
     "UnsupportedModelError",
     "compile",
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
         TesseraError,
         UnsupportedModelError,
     )
+    from tessera.guards import GradientsNotSupportedError, InputMismatchError, StateMismatchError
     from tessera.piece import PieceRecord
     from tessera.report import CompileReport
 

@@ -134,9 +134,18 @@ def guard_fact(entry: Any) -> GuardFact:
 def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
     # GuardBuilder methods bound with functools.partial carry their arguments (attr=, key=) in
     # orig_guard.create_fn.keywords (torch 2.11-2.15); the C++ guard has no Python form to read.
+    # A Source argument (DUPLICATE_INPUT's ``source_b``) is kept as its name: ``name`` is a method
+    # up to torch 2.13 and a property after.
     create = getattr(getattr(entry, "orig_guard", None), "create_fn", None)
     keywords = getattr(create, "keywords", None) or {}
-    return tuple(sorted((k, v) for k, v in keywords.items() if isinstance(v, str)))
+    out = []
+    for key, argument in keywords.items():
+        value = argument
+        if not isinstance(value, str) and hasattr(value, "name") and hasattr(value, "guard_source"):
+            value = value.name() if callable(value.name) else value.name
+        if isinstance(value, str):
+            out.append((key, value))
+    return tuple(sorted(out))
 
 
 def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
@@ -166,8 +175,7 @@ def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ..
 def local_source_name(name: str) -> str:
     """Dynamo's ``L['kwargs']['x']`` as the guard-entry form ``kwargs['x']`` (the inverse of
     ``dynamo_source_name``)."""
-    match = re.match(r"^L\[['\"](\w+)['\"]\](.*)$", name)
-    return f"{match.group(1)}{match.group(2)}" if match else name
+    return re.sub(r"\bL\[['\"](\w+)['\"]\]", r"\1", name)
 
 
 def is_dense(tensor: torch.Tensor) -> bool:
@@ -236,6 +244,13 @@ def trace_errors() -> tuple[type[BaseException], ...]:
     return (exc.Unsupported, exc.UserError)
 
 
+def backend_failure(error: BaseException) -> BaseException | None:
+    """What a backend raised, when ``error`` is Dynamo's ``BackendCompilerFailed`` wrapping it."""
+    if type(error).__name__ != "BackendCompilerFailed":
+        return None
+    return getattr(error, "inner_exception", None) or error.__cause__
+
+
 def constraint_violation_error() -> type[BaseException]:
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
@@ -255,6 +270,14 @@ def traced_code_objects() -> list[types.CodeType] | None:
     current = context.try_get()
     codes = getattr(current, "traced_code", None) if current is not None else None
     return list(codes) if codes else None
+
+
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (real or fake) tensors are views of one storage."""
+    try:
+        return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
+        return False
 
 
 def sym_expr(value: torch.SymInt) -> Any:

@@ -114,7 +114,9 @@ class CompiledModel:
         self._target: Callable[..., Any] = model.forward if isinstance(model, torch.nn.Module) else model
         self._entry = entry_frame()
         self._dynamic_dims = dynamic_dims
-        self._lock = threading.Lock()
+        # Re-entrant: a call that waited for the first call's compile is served under the lock,
+        # and may need a re-trace or a small-size child, which take it again.
+        self._lock = threading.RLock()
         self._backend: PiecewiseBackend | None = None
         self._call: Callable[..., Any] = self._first_call
         self._fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
@@ -143,10 +145,20 @@ class CompiledModel:
         self._checked: Callable[..., Any] = self._first_call  # the call check (root hooks aside)
         self.dropped_guards: tuple[tuple[str, int], ...] = ()  # Dynamo guards not re-checked, and why
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
+        # Dims held static at a size below Dynamo's floor of 2 (a model serving such calls for its
+        # parent), and the children serving this model's calls under the floor, by (name, dim, size).
+        self._static_dims: frozenset[tuple[str, int]] = frozenset()
+        self._small: dict[frozenset[tuple[str, int, int]], CompiledModel] = {}
+        self._accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
         if RECORDER is not None:
             RECORDER.append(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo is tracing this call: the model is called inside a torch.compile'd function,
+            # inside another tessera model, or by itself (recursion). The outer trace owns it:
+            # it inlines the model, as torch.compile inlines a nested compiled function.
+            return self.model(*args, **kwargs)
         return self._call(*args, **kwargs)
 
     @functools.cached_property
@@ -225,6 +237,10 @@ class CompiledModel:
 
     # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._small and (self._module is None or not hooks.active(self._module)):
+            child = self._small_child(args, kwargs)  # small sizes only so far: no lock, no binding
+            if child is not None:
+                return child(*args, **kwargs)
         with self._lock:
             if self._call != self._first_call:  # another thread compiled while we waited
                 return self._call(*args, **kwargs)
@@ -268,7 +284,7 @@ class CompiledModel:
         if mode == "none":
             return self.model(*args, **kwargs), self.model
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
-        choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
+        choice = self._choose(values)
         self.marked_dims = list(choice.dims)
         if mode != "stock" and torch.is_grad_enabled():
             # tessera compiles inference graphs: refuse now a call whose result needs gradients,
@@ -325,19 +341,56 @@ class CompiledModel:
         if degenerate and self.config.dynamic_shapes != "unbacked":
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
             # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
-            # Size-oblivious reasoning does not save it: a view still specializes a size whose
-            # hint is 1 (`_view_unbacked_meta`), and the guard that says so is dropped.
-            # Run this call eagerly and trace at the first call with a general size instead.
+            # This call is served by a trace for its small size (as Dynamo would recompile); the
+            # general trace waits for the first call with sizes >= 2.
             if not self._deferred:
                 log.info(
-                    "%s: first call has dynamic size < 2 at %s; runs eagerly, compiles at a size >= 2",
+                    "%s: first call has dynamic size < 2 at %s; served by a trace for that size, "
+                    "the general trace waits for sizes >= 2",
                     self.name,
                     degenerate,
                 )
             self._deferred += 1
-            return self._target(*args, **kwargs), None  # root hooks: run by _first_call
+            return self._small_call(args, kwargs, choice.dims), None
         self._context = (compiler, root, prefix, print_, remote)
         return self._trace(args, kwargs, values, choice), self._call
+
+    def _choose(self, values: dict[str, Any]) -> DynamicChoice:
+        choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
+        if not self._static_dims:
+            return choice
+        return DynamicChoice(tuple(d for d in choice.dims if d not in self._static_dims), choice.guessed)
+
+    def _small_child(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
+        """The compiled forward of the small-size child whose check this call passes, if any."""
+        for child in tuple(self._small.values()):
+            if child._accepts is not None and child._fast is not None and child._accepts(args, kwargs):
+                return child._fast
+        return None
+
+    def _small_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: Any) -> Any:
+        """A call with a dynamic size under Dynamo's floor of 2: served by a model traced with
+        those dims static at this call's sizes (one per distinct combination, compiled once, and
+        cached as any model), since code may behave differently there (``x.squeeze()``)."""
+        values = bind_arguments(self._func, self._bound_to, args, kwargs)
+        small = frozenset(
+            (name, dim, int(values[name].shape[dim]))
+            for name, dim in dims
+            if isinstance(values.get(name), torch.Tensor) and values[name].shape[dim] < 2
+        )
+        with self._lock:
+            child = self._small.get(small)
+            if child is None:
+                label = "-".join(f"{name}{dim}x{size}" for name, dim, size in sorted(small))
+                log.info(
+                    "%s: compiling for the small size(s) %s (Dynamo traces sizes >= 2)", self.name, label
+                )
+                prefix = f"{self.prefix or 'model'}-small-{label}"
+                child = CompiledModel(self.model, self.config, self._dynamic_dims, prefix, None)
+                child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
+                child._module = None  # root hooks are run by this model, around the whole call
+                self._small[small] = child
+        return child(*args, **kwargs)
 
     def _trace(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
@@ -453,6 +506,7 @@ class CompiledModel:
             else fast
         )
         self._checked = call
+        self._accepts = guards.make_predicate(spec, self._bound) if self.config.check_inputs else None
         module = self._module
         if module is not None:
             checked = call
@@ -486,6 +540,9 @@ class CompiledModel:
     def _slow_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call that failed the quick check: under another state, with grad enabled, in another
         structure or layout, or refused."""
+        child = self._small_child(args, kwargs)
+        if child is not None:
+            return child(*args, **kwargs)
         spec, fast = self.call_spec, self._fast
         assert spec is not None and fast is not None, "the slow path runs after the first call"
         state = _compat.call_state()
@@ -507,6 +564,8 @@ class CompiledModel:
             mismatches = spec.mismatches(args, kwargs, self._bound)
         if not mismatches:
             return fast(*args, **kwargs)
+        if all(a.floor for a, _ in mismatches):
+            return self._small_call(args, kwargs, self.marked_dims)
         changed = [
             a.expr
             for a, found in mismatches
@@ -548,8 +607,7 @@ class CompiledModel:
                 len(self._dynamic_state),
             )
             values = bind_arguments(self._func, self._bound_to, args, kwargs)
-            choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
-            output = self._trace(args, kwargs, values, choice)
+            output = self._trace(args, kwargs, values, self._choose(values))
             self._counters = counter_delta(self._counters_before, counters.snapshot())
             return output
 

@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters
+from tessera.aliases import replay_input_aliases
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
 from tessera.cache.index import index_key
@@ -118,6 +119,7 @@ class PiecewiseBackend:
         start = time.perf_counter()
         matcher = SplitMatcher(specs)
         split_gm, items = split_graph(gm, matcher)
+        replay_input_aliases(gm, split_gm)
         if self.config.splitting_ops:
             for name in matcher.unmatched():
                 warnings.warn(
@@ -224,7 +226,7 @@ class PiecewiseBackend:
             sym_positions=tuple(i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)),
             returns_tuple=returns_tuple,
             size_source=source,
-            sizes=tuple(config.compile_sizes) if source is not None else (),
+            sizes=self.compile_sizes if source is not None else (),
             ranges=tuple(config.ranges) if source is not None else (),
             compile_seconds=tuple(seconds),
             dynamic=dynamic_inputs(fake_args, outputs),
@@ -247,7 +249,15 @@ class PiecewiseBackend:
         """What a piece is compiled for: general, then each compile size and range if it has a size."""
         if find_size_source(fake_args) is None:
             return (None,)
-        return (None, *self.config.compile_sizes, *self.config.ranges)
+        return (None, *self.compile_sizes, *self.config.ranges)
+
+    @property
+    def compile_sizes(self) -> tuple[int, ...]:
+        """The compile sizes this trace serves: a backed trace is made for sizes >= 2 (Dynamo's
+        0/1 specialisation), and calls of size 0 or 1 are served by a trace of their own (api.py)."""
+        if self.config.dynamic_shapes == "unbacked":
+            return tuple(self.config.compile_sizes)
+        return tuple(s for s in self.config.compile_sizes if s >= 2)
 
     # -- warm path -----------------------------------------------------------------------------
     @classmethod

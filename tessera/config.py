@@ -110,7 +110,7 @@ class CompileConfig:
         v.check_bool("graph_partition", self.graph_partition)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
-            "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 0),
+            "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),
             "compile_ranges": v.check_sizes("compile_ranges", self.compile_ranges, self.max_size, 1),
             "cudagraph_capture_sizes": None
             if self.cudagraph_capture_sizes is None

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tessera._compat import GuardFact
+from tessera._compat import GuardFact, local_source_name
 from tessera.errors import UnsupportedModelError
 from tessera.guards import Assumption, layout_of, local_expression
 
@@ -89,9 +89,10 @@ _STATE_KINDS = frozenset(k for k, root in DROPPED if root == "state")
 _IDENTITY_KINDS = frozenset({"ID_MATCH", "CLASS_MATCH", "BUILTIN_MATCH", "FUNCTION_MATCH", "MODULE_MATCH"})
 _VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
-# A bound on one size (Dynamo's 0/1 specialisation, ``2 <= s0``; a max): tessera serves every
-# size of a dynamic dim from the general graph, as documented. Relations between sizes are kept.
-_SIZE_BOUND = re.compile(r"^(\d+ <= [\w\[\]'.()]+\.size\(\)\[\d+\]|[\w\[\]'.()]+\.size\(\)\[\d+\] <= \d+)$")
+# Dynamo's 0/1 specialisation: a dynamic size is traced as ``>= 2`` (``2 <= s0``), and code that
+# behaves differently at 1 (``x.squeeze()``, ``if q_len > 1``) is traced for the larger sizes only.
+# The floor is checked; a call under it is served by a trace for its own small size (api.py).
+_SIZE_FLOOR = re.compile(r"^2 <= [\w\[\]'.()]+\.size\(\)\[\d+\]$")
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,9 @@ class _Builder:
     def fact(self, fact: GuardFact) -> None:
         root = root_of(fact.name)
         kind = fact.kind
+        if kind == "SHAPE_ENV":  # no source of its own: each guard names the sizes it reads
+            self.shape_guards(fact.code)
+            return
         if root == "state" or kind in _STATE_KINDS:
             self._drop(kind, "state")
             return
@@ -197,9 +201,6 @@ class _Builder:
             return
         if root == "global" and (kind not in _GLOBAL_VALUE_KINDS or not _PLAIN_GLOBAL.match(fact.name)):
             self.dropped[_GLOBAL_REASON] += 1
-            return
-        if kind == "SHAPE_ENV":
-            self.shape_guards(fact.code)
             return
         self.current = fact.name
         label = self.label(fact.name)
@@ -238,6 +239,12 @@ class _Builder:
             self.add(
                 f"{attr!r} in vars({expr})", attr in vars(value), f"{label}: .{attr} set on the instance"
             )
+        elif kind == "DUPLICATE_INPUT" and "source_b" in dict(fact.detail):
+            # Two sources Dynamo saw as one object (a ModelOutput's ``.last_hidden_state`` and its
+            # ``[0]``): the graph reads it once, so they must stay one object.
+            other = local_source_name(dict(fact.detail)["source_b"])
+            other_expr = self.bound(other, root_of(other))
+            self.add(f"{expr} is {other_expr}", True, f"{label}: the same object as {self.label(other)}")
         elif kind == "NOT_NONE_MATCH":
             self.add(f"{expr} is not None", True, f"{label}: not None")
         elif (kind, root) in DROPPED or (kind, "*") in DROPPED:
@@ -326,8 +333,8 @@ class _Builder:
                 # A guard on a view's base: what the view came from, not what the graph computes.
                 self.dropped["shape guards on a view's base or outside the arguments"] += 1
                 continue
-            if _SIZE_BOUND.match(expr):
-                self.dropped["a bound on one dynamic size (0/1 specialisation, maximum)"] += 1
+            if _SIZE_FLOOR.match(expr):
+                self.assumptions.append(Assumption(expr, True, f"sizes: {expr}", floor=True))
                 continue
             self.add(expr, True, f"sizes: {expr}", state=True)
 

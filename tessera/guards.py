@@ -66,6 +66,7 @@ class Assumption:
     expected: Any
     label: str  # e.g. "input_ids: dtype"
     state: bool = False  # Python state Dynamo read from an argument object (a StaticCache length)
+    floor: bool = False  # Dynamo's ``2 <= size`` on a dynamic dim: smaller sizes get their own trace
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,38 @@ def _describe(
         yield Assumption(f"type({path})", type(value), f"{name}: type")
 
 
+def _check_source(spec: CallSpec) -> str:
+    """The one boolean expression over ``args``/``kwargs`` (and the namespace of _check_namespace)
+    that says a call is the traced one."""
+    exprs = [a.expr for a in spec.assumptions]
+    autocast = (spec.global_state or _compat.call_state())[0]
+    state = (
+        "_call_state() == _STATE"
+        if autocast
+        else "not _any_autocast() and _default_dtype() is _DTYPE and _modes() == _MODES"
+    )
+    return f"not _grad() and {state} and len(args) == {spec.num_args} and kwargs.keys() == _KEYS" + (
+        f" and ({', '.join(exprs)},) == _EXPECTED" if exprs else ""
+    )
+
+
+def _check_namespace(spec: CallSpec, bound: Mapping[str, Any]) -> dict[str, Any]:
+    _, default_dtype, modes = spec.global_state or _compat.call_state()
+    return {
+        **bound,
+        "_KEYS": frozenset(spec.keywords),
+        "_EXPECTED": tuple(a.expected for a in spec.assumptions),
+        "_grad": torch.is_grad_enabled,
+        "_any_autocast": _compat.any_autocast(),
+        "_default_dtype": torch.get_default_dtype,
+        "_modes": _compat.function_mode_depth(),
+        "_call_state": _compat.call_state,
+        "_STATE": tuple(spec.global_state),
+        "_DTYPE": default_dtype,
+        "_MODES": modes,
+    }
+
+
 def make_checked_call(
     spec: CallSpec,
     call: Callable[..., Any],
@@ -281,42 +314,35 @@ def make_checked_call(
     The comparison covers the global state too: grad disabled (a call with grad enabled goes the
     slow way, which decides whether its result would need gradients), autocast, the default dtype
     and the function-mode stack as at the trace."""
-    exprs = [a.expr for a in spec.assumptions]
-    autocast, default_dtype, modes = spec.global_state or _compat.call_state()
-    state = (
-        "_call_state() == _STATE"
-        if autocast
-        else "not _any_autocast() and _default_dtype() is _DTYPE and _modes() == _MODES"
-    )
     source = (
         "def checked(*args, **kwargs):\n"
         "    try:\n"
-        f"        ok = not _grad() and {state} and len(args) == {spec.num_args} and kwargs.keys() == _KEYS"
-        + (f" and ({', '.join(exprs)},) == _EXPECTED" if exprs else "")
-        + "\n"
+        f"        ok = {_check_source(spec)}\n"
         "    except Exception:\n"
         "        ok = False\n"
         "    if ok:\n"
         "        return _call(*args, **kwargs)\n"
         "    return _slow(args, kwargs)\n"
     )
-    namespace: dict[str, Any] = {
-        **bound,
-        "_KEYS": frozenset(spec.keywords),
-        "_EXPECTED": tuple(a.expected for a in spec.assumptions),
-        "_call": call,
-        "_slow": slow,
-        "_grad": torch.is_grad_enabled,
-        "_any_autocast": _compat.any_autocast(),
-        "_default_dtype": torch.get_default_dtype,
-        "_modes": _compat.function_mode_depth(),
-        "_call_state": _compat.call_state,
-        "_STATE": tuple(spec.global_state),
-        "_DTYPE": default_dtype,
-        "_MODES": modes,
-    }
+    namespace = {**_check_namespace(spec, bound), "_call": call, "_slow": slow}
     exec(compile(source, "<tessera call check>", "exec"), namespace)  # our own generated source
     return namespace["checked"]  # type: ignore[no-any-return]
+
+
+def make_predicate(
+    spec: CallSpec, bound: Mapping[str, Any]
+) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+    """The comparison of make_checked_call alone: ``accepts(args, kwargs)``."""
+    source = (
+        "def accepts(args, kwargs):\n"
+        "    try:\n"
+        f"        return bool({_check_source(spec)})\n"
+        "    except Exception:\n"
+        "        return False\n"
+    )
+    namespace = _check_namespace(spec, bound)
+    exec(compile(source, "<tessera call check>", "exec"), namespace)  # our own generated source
+    return namespace["accepts"]  # type: ignore[no-any-return]
 
 
 def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
@@ -444,6 +470,13 @@ def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
         advice = (
             "the model changed after tessera.compile (a parameter's dtype or device, a setting): "
             "compile it again"
+        )
+    elif assumption.label.endswith(": shape") and re.match(r"^\w+[.\[]", assumption.label):
+        # A tensor held inside an argument object: most often a KV cache that grew by a step.
+        advice = (
+            "a tensor inside an argument object changed shape (a DynamicCache grows at every step): "
+            "use a StaticCache, or compile with that size dynamic (hf.compile_causal_lm(model) keeps "
+            "the sequence dynamic)"
         )
     elif "size of dim" in assumption.label:
         advice = "mark that dim dynamic (dynamic_dims={...}), compile another instance for this shape"

@@ -78,7 +78,9 @@ def output_layout(graph: torch.fx.GraphModule) -> OutputLayout | None:
             polys.append(tuple(int(c) for c in coefficients))
         strides.append(tuple(polys))
     inputs = [n.meta.get("example_value") for n in graph.graph.nodes if n.op == "placeholder"]
-    source = find_size_source(inputs) if symbols else None
+    # The size the strides are polynomials in: read where that very symbol is (with batch and
+    # sequence both dynamic, the first dynamic dim is the batch, not what the strides use).
+    source = find_size_source(inputs, symbol) if symbols else None
     if symbols and source is None:
         return None
     return OutputLayout(tuple(strides), source)

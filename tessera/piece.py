@@ -6,6 +6,7 @@ A runner picks an artifact by the runtime size: exact compile size, then a range
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,15 +169,25 @@ class PieceRunner:
         return tuple((a.label, a.served) for a in self._artifacts.values())
 
 
-def find_size_source(example_inputs: Sequence[Any]) -> SizeSource | None:
-    """The first SymInt argument; else the first tensor dim that is symbolic; else None."""
+def find_size_source(example_inputs: Sequence[Any], symbol: Any = None) -> SizeSource | None:
+    """Where the dynamic size itself can be read: the first SymInt argument that is a bare symbol,
+    else the first tensor dim that is one; None if none is. A size derived from it (``2*s0``, a
+    ``cat`` of two inputs) is never taken: dispatching on it would pick another size's artifact.
+    ``symbol`` (sympy) restricts the search to that symbol."""
+
+    def is_source(value: Any) -> bool:
+        if not isinstance(value, torch.SymInt) or is_constant_symint(value):
+            return False
+        expr = sym_expr(value)
+        return bool(expr.is_Symbol) and (symbol is None or expr == symbol)
+
     for i, value in enumerate(example_inputs):
-        if isinstance(value, torch.SymInt) and not is_constant_symint(value):
+        if is_source(value):
             return SizeSource(i)
     for i, value in enumerate(example_inputs):
         if isinstance(value, torch.Tensor):
             for dim, extent in enumerate(value.shape):
-                if isinstance(extent, torch.SymInt) and not is_constant_symint(extent):
+                if is_source(extent):
                     return SizeSource(i, dim)
     return None
 
@@ -218,6 +229,7 @@ def specialize_inputs(
             return int(sym_expr(extent).subs(symbol, size))
         return int(extent)
 
+    _check_fits(piece, size, [fake for fake in example_inputs if isinstance(fake, torch.Tensor)], concrete)
     out: list[Any] = []
     for fake, real in zip(example_inputs, real_inputs, strict=True):
         if isinstance(fake, torch.SymInt):
@@ -234,3 +246,36 @@ def specialize_inputs(
         else:
             out.append(fake)
     return out
+
+
+def _check_fits(piece: str, size: int, fakes: list[torch.Tensor], concrete: Callable[[Any], int]) -> None:
+    """ConfigError if the example inputs for ``size`` would not fit in their device's memory."""
+    needed: dict[torch.device, int] = {}
+    for fake in fakes:
+        if not any(isinstance(d, torch.SymInt) for d in (*fake.shape, *fake.stride())):
+            continue  # the real tensor is reused
+        extent = 1 + sum(
+            (concrete(n) - 1) * concrete(s) for n, s in zip(fake.shape, fake.stride(), strict=True)
+        )
+        if any(concrete(n) == 0 for n in fake.shape):
+            extent = 0
+        needed[fake.device] = needed.get(fake.device, 0) + extent * fake.element_size()
+    for device, nbytes in needed.items():
+        available = device_memory(device)
+        if available is not None and nbytes > available:
+            raise ConfigError(
+                f"piece {piece}: compile size {size} needs {nbytes / 2**30:.1f} GiB of example inputs "
+                f"on {device}, which has {available / 2**30:.1f} GiB: drop {size} from compile_sizes"
+            )
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device`` (None if unknown)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[1])
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

@@ -75,6 +75,11 @@ def check_bool(field: str, value: Any) -> None:
         raise ConfigError(f"{field}={value!r} must be True or False (a {type(value).__name__} was given)")
 
 
+# The largest size a compile size, range or capture size may name: 2**31 elements along one dim
+# of even a 1-byte tensor is 2 GiB per unit of every other dim.
+MAX_COMPILE_SIZE = 2**31 - 1
+
+
 def check_sizes(field: str, sizes: Any, max_size: int | None, minimum: int) -> tuple[int, ...]:
     """A sorted, repeat-free sequence of integers >= ``minimum`` (and <= ``max_size``)."""
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
@@ -87,6 +92,11 @@ def check_sizes(field: str, sizes: Any, max_size: int | None, minimum: int) -> t
             raise ConfigError(f"{field} must hold integers; got {size!r} in {list(sizes)}")
         if size < minimum:
             raise ConfigError(f"{field} must be >= {minimum}; got {size}")
+        if size > MAX_COMPILE_SIZE:
+            raise ConfigError(
+                f"{field} entry {size} is above {MAX_COMPILE_SIZE}: no tensor of that size fits in "
+                "memory; use the sizes calls really have"
+            )
         if max_size is not None and size > max_size:
             raise ConfigError(f"{field} entry {size} is above max_size={max_size}; raise max_size")
     if list(sizes) != sorted(set(sizes)):

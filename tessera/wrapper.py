@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tessera import _compat
-from tessera.errors import ConfigError, UnsupportedModelError
+from tessera.errors import ConfigError, TesseraError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,13 @@ def trace_once(
         raise error from None
     except _compat.constraint_violation_error() as e:
         raise ConfigError(f"a dim in dynamic_dims cannot be dynamic: the code fixes its size. {e}") from e
+    except Exception as e:
+        # Our backend's own errors (a ConfigError about compile_sizes) reach the user as they are,
+        # not wrapped in Dynamo's BackendCompilerFailed.
+        inner = _compat.backend_failure(e)
+        if isinstance(inner, TesseraError):
+            raise inner from None
+        raise
     finally:
         handle.remove()
         # Our entry has no guards: left in place it would serve any later call of this frame.

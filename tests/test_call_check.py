@@ -209,3 +209,196 @@ def test_a_class_defined_in_a_function_does_not_break_the_call():
     assert served_or_refused(compiled, scaled, x, Local(2.0)) == "served"
     assert served_or_refused(compiled, scaled, torch.randn(6), Local(2.0)) == "served"
     assert compiled.report is not None and "not written" in compiled.report.as_dict()["whole_model_artifact"]
+
+
+# -- aliasing, small sizes, dispatch, config values, nesting, the warm fingerprint --------------------
+def adds_then_views(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1)
+    return x.view(-1)
+
+
+def adds_then_slices(x: torch.Tensor) -> torch.Tensor:
+    x.add_(1)
+    return x[1:]
+
+
+def transposes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.t(), x * 2
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_an_output_that_views_an_input_in_eager_views_it_compiled(backend):
+    for fn in (adds_then_views, adds_then_slices, transposes):
+        compiled = tessera.compile(fn, backend=backend)
+        for rows in (4, 5, 7):
+            x, expected_x = torch.zeros(rows, 3), torch.zeros(rows, 3)
+            with torch.no_grad():
+                out, expected = compiled(x), fn(expected_x)
+            first, expected_first = (out[0], expected[0]) if isinstance(out, tuple) else (out, expected)
+            torch.testing.assert_close(out, expected)
+            first.add_(10)  # a write through the output reaches the argument, as in eager
+            expected_first.add_(10)
+            torch.testing.assert_close(x, expected_x, msg=f"{fn.__name__}, {rows} rows")
+    # A warm start keeps the views: the replay is part of the saved split module.
+    warm = tessera.compile(adds_then_slices, backend=backend)
+    x = torch.zeros(6, 3)
+    with torch.no_grad():
+        warm(x).add_(10)
+    assert warm.warm_start is True
+    assert x[0].sum().item() == 3 and x[1:].sum().item() == 5 * 3 * 11
+
+
+def squeezes(x: torch.Tensor) -> torch.Tensor:
+    return x.squeeze() * 2
+
+
+def branches_on_one(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 if x.shape[0] == 1 else x * 3
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_size_under_dynamos_floor_of_two_gets_its_own_trace(backend):
+    """Dynamo traces a dynamic size as >= 2; code that differs at 1 must not run the general graph."""
+    for fn in (squeezes, branches_on_one):
+        compiled = tessera.compile(fn, backend=backend, disable_cache=True)
+        with torch.no_grad():
+            for rows in (3, 4, 1, 5, 1):
+                x = torch.randn(rows, 1, 3)
+                torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {rows} rows")
+        assert tessera.counters.snapshot().get("graphs_traced", 0) == 2, "one general trace, one for size 1"
+        tessera.counters.reset()
+    # A first call at size 1 is served by its own trace too; the general one waits for sizes >= 2.
+    compiled = tessera.compile(squeezes, backend=backend, disable_cache=True)
+    with torch.no_grad():
+        for rows in (1, 3, 1, 6):
+            x = torch.randn(rows, 1, 3)
+            torch.testing.assert_close(compiled(x), squeezes(x))
+    assert tessera.counters.snapshot().get("graphs_traced", 0) == 2
+
+
+def cat_then_attention(x: torch.Tensor) -> torch.Tensor:
+    y = torch.cat([x, x]) * 1.5
+    y = torch.ops.silly.attention(y, y, y)
+    return y.sum(-1, keepdim=True) + y * 2
+
+
+@pytest.mark.inductor
+def test_pieces_dispatch_on_the_dynamic_size_not_a_size_derived_from_it():
+    compiled = tessera.compile(cat_then_attention, backend="inductor", compile_sizes=[8], disable_cache=True)
+    with torch.no_grad():
+        for rows in (5, 4, 8, 3, 16):
+            x = torch.randn(rows, 3)
+            torch.testing.assert_close(compiled(x), cat_then_attention(x), msg=f"{rows} rows")
+    for piece in compiled.pieces:
+        if not piece.is_splitting and piece.sizes:
+            assert dict(piece.served)["size 8"] == 1, f"{piece.name}: only the call with 8 rows is size 8"
+
+
+def sums_both(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x.sum(0) + y.sum(0)
+
+
+def test_compile_sizes_that_cannot_work_are_config_errors():
+    with pytest.raises(tessera.ConfigError, match=">= 1"):
+        tessera.compile(squeezes, compile_sizes=[0])
+    with pytest.raises(tessera.ConfigError, match="fits in memory"):
+        tessera.compile(squeezes, compile_sizes=[2**40])
+    compiled = tessera.compile(sums_both, backend="eager", compile_sizes=[4], disable_cache=True)
+    with pytest.raises(tessera.ConfigError, match="exactly one dynamic size"), torch.no_grad():
+        compiled(torch.randn(5, 3), torch.randn(7, 3))  # two independent dynamic sizes
+
+
+def test_a_compile_size_whose_inputs_exceed_memory_is_a_config_error(monkeypatch):
+    from tessera import piece
+
+    monkeypatch.setattr(piece, "device_memory", lambda device: 1024)
+    compiled = tessera.compile(cat_then_attention, backend="eager", compile_sizes=[4096], disable_cache=True)
+    with pytest.raises(tessera.ConfigError, match="drop 4096 from compile_sizes"), torch.no_grad():
+        compiled(torch.randn(5, 3))
+
+
+class Doubles(torch.nn.Module):
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * 2
+
+
+def test_a_tessera_model_called_from_compiled_code_is_inlined():
+    linear = torch.nn.Linear(3, 3).requires_grad_(False)
+    inner = compile_eager(linear)
+    x = torch.randn(4, 3)
+    # Inside another tessera model: one graph, as a nested torch.compile would give.
+    outer = compile_eager(Doubles(inner))
+    assert served_or_refused(outer, lambda x: linear(x) * 2, x) == "served"
+    # First called inside a torch.compile'd function.
+    stock = torch.compile(lambda x: inner(x) + 1, backend="eager")
+    torch.testing.assert_close(stock(x), linear(x) + 1)
+    # A function calling itself through its compiled name.
+    holder: dict[str, Any] = {}
+
+    def recurses(x: torch.Tensor, depth: int) -> torch.Tensor:
+        return holder["compiled"](x, depth - 1) + 1 if depth > 0 else x * 2
+
+    holder["compiled"] = compile_eager(recurses)
+    torch.testing.assert_close(holder["compiled"](x, 2), x * 2 + 2)  # its first call: no hang
+
+
+class PlainConfig:
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.cfg = PlainConfig(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.cfg.scale
+
+
+def test_the_warm_fingerprint_covers_values_the_model_holds_in_plain_objects():
+    x = torch.randn(4)
+    first = compile_eager(Scaled(2.0))
+    assert served_or_refused(first, Scaled(2.0), x) == "served"
+    other = compile_eager(Scaled(3.0))  # as a new process with another config would build it
+    assert served_or_refused(other, Scaled(3.0), x) == "served"
+    assert other.warm_start is False
+    same = compile_eager(Scaled(2.0))
+    assert served_or_refused(same, Scaled(2.0), x) == "served"
+    assert same.warm_start is True
+
+
+def test_the_warm_fingerprint_covers_the_attention_implementation():
+    transformers = pytest.importorskip("transformers")
+    from tessera.cache.key import describe
+
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config._attn_implementation = "eager"
+    eager = describe(config, held=True)
+    config._attn_implementation = "sdpa"
+    assert describe(config, held=True) != eager
+
+
+class ReadsModelOutput(torch.nn.Module):
+    def forward(self, x: torch.Tensor, encoder_outputs: Any) -> torch.Tensor:
+        # A ModelOutput is a dict and a tuple: Dynamo sees one tensor through two sources.
+        return x + encoder_outputs.last_hidden_state.sum(1) + encoder_outputs[0].mean(1)
+
+
+def test_a_model_output_argument_of_another_length_is_refused_clearly():
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    model = ReadsModelOutput()
+    compiled = compile_eager(model, dynamic_dims={})
+    x = torch.randn(2, 4)
+
+    def encoded(length: int) -> Any:
+        return outputs.BaseModelOutput(last_hidden_state=torch.randn(2, length, 4))
+
+    assert served_or_refused(compiled, model, x, encoded(7)) == "served"
+    assert served_or_refused(compiled, model, x, encoded(7)) == "served"
+    with pytest.raises(tessera.InputMismatchError, match="shape"):
+        compiled(x, encoded(9))

@@ -16,7 +16,10 @@ def test_defaults_are_piecewise_inductor():
     [
         ({"mode": "fast"}, "mode='fast' is unknown"),
         ({"backend": "tvm"}, "backend='tvm' is unknown"),
-        ({"compile_sizes": [-1]}, "must be >= 0"),
+        ({"compile_sizes": [-1]}, "must be >= 1"),
+        ({"compile_sizes": [0]}, "must be >= 1"),
+        ({"compile_sizes": [2**40]}, "fits in memory"),
+        ({"cudagraph_capture_sizes": [2**33]}, "fits in memory"),
         ({"compile_sizes": [8, 4]}, "sorted ascending"),
         ({"compile_sizes": [4, 4]}, "sorted ascending"),
         ({"compile_ranges": [32, 8]}, "sorted ascending"),

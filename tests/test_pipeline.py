@@ -23,7 +23,10 @@ def _check_equal(compiled, model, sizes=SIZES):
 def test_toy_llama_piece_structure_and_numbers(layers):
     model = toy_llama.build(num_layers=layers)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[16], compile_ranges=[8])
-    with tessera.counters.expect(graphs_traced=1, pieces=2 * layers + 1, compiled_pieces=layers + 1):
+    # Two traces: the general one, and one for size 1 (Dynamo traces dynamic sizes as >= 2).
+    with tessera.counters.expect(
+        graphs_traced=2, pieces=2 * (2 * layers + 1), compiled_pieces=2 * (layers + 1)
+    ):
         _check_equal(compiled, model)
     assert len(compiled.pieces) == 2 * layers + 1
     assert sum(not p.is_splitting for p in compiled.pieces) == layers + 1
@@ -32,10 +35,10 @@ def test_toy_llama_piece_structure_and_numbers(layers):
 def test_dispatch_records_show_which_artifact_served_each_size():
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[16], compile_ranges=[8])
-    _check_equal(compiled, model)  # 3, 1 -> [1,8]; 16 -> size 16; 17, 64 -> [9,max]
+    _check_equal(compiled, model)  # 3 -> [1,8]; 1 -> its own trace; 16 -> size 16; 17, 64 -> [9,max]
     for record in compiled.pieces:
         if not record.is_splitting:
-            assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 2, "range [9,max]": 2}
+            assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 1, "range [9,max]": 2}
     runner = compiled.split_graph.__dict__["submod_0"]
     assert [runner.artifact_for(n) for n in (0, 5, 16, 40)] == [
         "general",
@@ -63,7 +66,10 @@ def test_trace_once_keeps_first_branch_and_stock_retraces():
 
     once = tessera.compile(branchy, mode="trace_once", backend="eager")
     torch.testing.assert_close(once(torch.ones(8, 2)), torch.full((8, 2), 2.0))
-    torch.testing.assert_close(once(torch.ones(2, 2)), torch.full((2, 2), 2.0))  # branch kept
+    torch.testing.assert_close(once(torch.ones(6, 2)), torch.full((6, 2), 2.0))
+    # The branch's guard (size >= 5) is part of the call check: never the other branch's answer.
+    with pytest.raises(tessera.InputMismatchError, match="5 <= "):
+        once(torch.ones(2, 2))
     assert tessera.counters.snapshot()["graphs_traced"] == 1
     assert len(once.pieces) == 1
 
@@ -132,13 +138,13 @@ def test_legacy_fx_cache_compiler_is_refused_with_a_clear_error():
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_size_one_first_call_runs_eagerly_and_defers_the_trace(backend):
-    """Dynamo would specialize a size-1 trace; the first general size traces instead."""
+def test_size_one_first_call_gets_its_own_trace_and_the_general_one_waits(backend):
+    """Dynamo specializes a size-1 trace: it serves size 1 only; the first general size traces."""
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend=backend)
-    with tessera.counters.expect(graphs_traced=0, backend_compilations=0):
+    with tessera.counters.expect(graphs_traced=1):
         _check_equal(compiled, model, sizes=(1, 1))
     assert compiled.pieces == ()
     with tessera.counters.expect(graphs_traced=1):
         _check_equal(compiled, model, sizes=(5, 1, 2, 9))
-    assert dict(compiled.pieces[0].served) == {"general": 4}
+    assert dict(compiled.pieces[0].served) == {"general": 3}

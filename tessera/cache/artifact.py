@@ -45,7 +45,7 @@ from tessera.piece import PieceRecord
 from tessera.wrapper import PortableCode
 
 WARM_DIR = "warm"
-FORMAT = 5
+FORMAT = 6
 
 
 class WarmStartUnavailable(Exception):

@@ -40,7 +40,8 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
-FINGERPRINT_FORMAT = 5  # 5: the full call state (CPU autocast too), guard-derived call specs
+# 6: values of objects the model holds, the attention implementation; 5: the full call state
+FINGERPRINT_FORMAT = 6
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -240,12 +241,13 @@ def _const_repr(value: Any) -> str:
     return repr(value)
 
 
-def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) -> Any:
+def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0, held: bool = False) -> Any:
     """A stable, JSON-ready description of a value as a trace depends on it.
 
     Tensors by dtype, device, rank, static sizes (dims in ``dynamic`` as ``*``) and contiguity;
     scalars by value; containers and plain objects (a ``StaticCache``) by their contents, to a
-    bounded depth. Anything else by its type.
+    bounded depth. Anything else by its type. ``held``: an object the model holds (its config),
+    whose ints and floats count by value; an argument's count by type (a cache's moving length).
     """
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -264,18 +266,25 @@ def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) 
     if depth >= 4:
         return type(value).__qualname__
     if isinstance(value, (tuple, list)):
-        return [type(value).__name__, [describe(v, depth=depth + 1) for v in value[:64]], len(value)]
+        return [
+            type(value).__name__,
+            [describe(v, depth=depth + 1, held=held) for v in value[:64]],
+            len(value),
+        ]
     if isinstance(value, dict):
-        return ["dict", sorted((str(k), describe(v, depth=depth + 1)) for k, v in list(value.items())[:64])]
+        items = list(value.items())[:64]
+        return ["dict", sorted((str(k), describe(v, depth=depth + 1, held=held)) for k, v in items)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {
-            f.name: describe(getattr(value, f.name, None), depth=depth + 1) for f in dataclasses.fields(value)
+            f.name: describe(getattr(value, f.name, None), depth=depth + 1, held=held)
+            for f in dataclasses.fields(value)
         }
-        return [type(value).__qualname__, sorted(fields.items())]
+        return [type(value).__qualname__, sorted(fields.items()), _attention(value)]
     to_dict = getattr(value, "to_dict", None)  # Hugging Face configs
     if callable(to_dict) and not isinstance(value, torch.nn.Module):
         try:
-            return [type(value).__qualname__, json.dumps(to_dict(), sort_keys=True, default=str)]
+            described = json.dumps(to_dict(), sort_keys=True, default=str)
+            return [type(value).__qualname__, described, _attention(value)]
         except (TypeError, ValueError):
             pass
     attrs = getattr(value, "__dict__", None)
@@ -283,21 +292,30 @@ def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0) 
         items = sorted(attrs.items(), key=lambda kv: str(kv[0]))[:64]
         # An object's ints (a cache's current length) by type only: the call check (guards.py)
         # knows which of them the trace assumed, and a moving length must not hide the artifact.
-        return [type(value).__qualname__, [(str(k), _attribute(v, depth)) for k, v in items]]
+        return [type(value).__qualname__, [(str(k), _attribute(v, depth, held)) for k, v in items]]
     return type(value).__qualname__
 
 
-def _attribute(value: Any, depth: int) -> Any:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+def _attention(config: Any) -> str:
+    # transformers keeps the attention implementation outside the config's fields and to_dict(),
+    # yet it picks the attention code the trace inlines (eager vs SDPA).
+    try:
+        return str(getattr(config, "_attn_implementation", None))
+    except Exception:  # a config property that raises: the fields still decide
+        return "unknown"
+
+
+def _attribute(value: Any, depth: int, held: bool) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not held:
         return type(value).__name__
-    return describe(value, depth=depth + 1)
+    return describe(value, depth=depth + 1, held=held)
 
 
 def _module_state(model: torch.nn.Module) -> list[Any]:
     state: list[Any] = []
     for name, module in model.named_modules():
         attrs = {
-            k: describe(v, depth=2)
+            k: describe(v, depth=2, held=True)
             for k, v in vars(module).items()
             if not k.startswith("_") and not isinstance(v, torch.nn.Module)
         }
