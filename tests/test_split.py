@@ -106,3 +106,23 @@ def test_layout_keeper_copies_outputs_into_the_traced_strides():
     torch.testing.assert_close(out, x * 2)
     already = torch.randn(4, 3).t()  # [3, 4] with strides (1, 3): no copy needed
     assert LayoutKeeper(lambda x, n: x, layout)(already, 3) is already
+
+
+def attends_over_batch_and_sequence(x: torch.Tensor) -> torch.Tensor:
+    batch, length, width = x.shape
+    q = x.view(batch, length, 2, width // 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, q, q)
+    return out.transpose(1, 2).reshape(batch, length, width) * 2
+
+
+@pytest.mark.inductor
+def test_batch_and_sequence_both_dynamic_keep_the_attention_layout():
+    """The attention output's strides are polynomials in the sequence length: the layout keeper
+    reads that size, not the batch (the first dynamic dim)."""
+    compiled = tessera.compile(
+        attends_over_batch_and_sequence, backend="inductor", dynamic_dims={"x": (0, 1)}, disable_cache=True
+    )
+    with torch.no_grad():
+        for batch, length in ((2, 7), (3, 5), (2, 9), (4, 3)):
+            x = torch.randn(batch, length, 8)
+            torch.testing.assert_close(compiled(x), attends_over_batch_and_sequence(x))
