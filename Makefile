@@ -1,15 +1,26 @@
 # `make demo` and `make test` each set up .venv (idempotently) and then run.
+# `make test TORCH=2.15.0` (or test-compat) runs against that torch, in a venv of its own kept
+# outside the tree ($(VENVS)/torch-2.15.0): torch releases are large, so each is fetched once.
 PYTHON ?= python3
+TORCH ?=
+VENVS ?= $(HOME)/.cache/tessera/venvs
+ifeq ($(TORCH),)
 VENV := .venv
+# The local CPU build satisfies the pin; an unpinned torch would pull the newest CUDA wheels.
+TORCH_SPEC := torch==2.13.0
+else
+VENV := $(VENVS)/torch-$(TORCH)
+TORCH_SPEC := torch==$(TORCH)
+endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-compat lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: the local CPU build satisfies it; unpinned would pull CUDA wheels.
-	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.11,<2.14"
+	# torch first, pinned: tessera's own install must then leave it as it is.
+	$(PY) -m pip install -q "$(TORCH_SPEC)" || $(PY) -m pip install -q "torch>=2.11"
 	$(PY) -m pip install -q -e ".[dev,hf,debug,remote]"
 	touch $(STAMP)
 
@@ -22,6 +33,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	$(PY) -m pytest -q
+
+# The private-API surface (tessera/_compat.py) alone: quick, for every supported torch.
+test-compat: $(STAMP)
+	$(PY) -m pytest -q tests/test_compat.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tessera tests benchmarks examples

@@ -25,7 +25,9 @@ _EXPORTS = {
     "SizeRange": "tessera.config",
     "StateMismatchError": "tessera.guards",
     "TesseraError": "tessera.errors",
+    "TesseraWarning": "tessera.errors",
     "UnsupportedModelError": "tessera.errors",
+    "UntestedTorchWarning": "tessera.errors",
     "compile": "tessera.api",
 }
 # Submodules reachable as attributes (``tessera.passes.DeduplicatePass``), imported on first use.
@@ -45,7 +47,9 @@ __all__ = [
     "SizeRange",
     "StateMismatchError",
     "TesseraError",
+    "TesseraWarning",
     "UnsupportedModelError",
+    "UntestedTorchWarning",
     "compile",
     "counters",
     "debug",
@@ -62,7 +66,9 @@ if TYPE_CHECKING:
         ConfigError,
         SizeNotCompiledError,
         TesseraError,
+        TesseraWarning,
         UnsupportedModelError,
+        UntestedTorchWarning,
     )
     from tessera.guards import GradientsNotSupportedError, InputMismatchError, StateMismatchError
     from tessera.piece import PieceRecord

@@ -28,6 +28,29 @@ log = logging.getLogger(__name__)
 COMPILED_FN_PREFIX = "__compiled_fn"
 
 
+# The torch releases this module was checked on (tests/test_compat.py, README "PyTorch versions").
+TESTED_TORCH = ((2, 11), (2, 15))
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch), ``2.15.0+cpu`` -> (2, 15)."""
+    match = re.match(r"^(\d+)\.(\d+)", version or torch.__version__)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def untested_torch(version: str | None = None) -> str | None:
+    """Why the installed torch is outside the tested range (None when inside it)."""
+    release = torch_release(version)
+    low, high = TESTED_TORCH
+    if low <= release <= high:
+        return None
+    return (
+        f"torch {version or torch.__version__} is outside the range tessera is tested on "
+        f"({low[0]}.{low[1]} to {high[0]}.{high[1]}): tessera runs, and its call check and cache "
+        "refuse what they cannot read, but report anything odd with your torch version"
+    )
+
+
 # -- Dynamo -------------------------------------------------------------------------------------
 def dynamo() -> types.ModuleType:
     """``torch._dynamo``, imported on first use (~0.6 s): only the tracing path needs it."""
@@ -176,13 +199,6 @@ def local_source_name(name: str) -> str:
     """Dynamo's ``L['kwargs']['x']`` as the guard-entry form ``kwargs['x']`` (the inverse of
     ``dynamo_source_name``)."""
     return re.sub(r"\bL\[['\"](\w+)['\"]\]", r"\1", name)
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's elements fill its storage span without gaps or overlap
-    (``Tensor.is_non_overlapping_and_dense``: a method since long before 2.11, absent from the type
-    stubs through 2.15)."""
-    return bool(tensor.is_non_overlapping_and_dense())  # type: ignore[attr-defined]
 
 
 def call_state() -> tuple[Any, ...]:
@@ -574,6 +590,14 @@ def trusted_vec_isa(trust: bool) -> Iterator[None]:
         return
     with inductor_config().patch({"cpp.vec_isa_ok": True}):
         yield
+
+
+def custom_graph_pass_base() -> type:
+    """``torch._inductor.custom_graph_pass.CustomGraphPass`` (torch 2.11-2.15): the base of a pass
+    Inductor runs post-grad and keys its FX graph cache on (``uuid()``)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
 
 
 # -- nn.Module hooks ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
 from tessera.compilers import make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
-from tessera.errors import ConfigError
+from tessera.errors import ConfigError, UntestedTorchWarning
 from tessera.piece import PieceRecord
 from tessera.report import CompileReport, build_report, counter_delta, save_report
 from tessera.wrapper import (
@@ -87,10 +88,19 @@ def compile(
         )
     if config.backend == "inductor" or config.mode == "stock":
         validation.check_inductor_keys(config.inductor_config)
+    _warn_if_untested_torch()
     compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)
     if dynamic_dims is not None:
         validation.check_dynamic_dim_names(compiled.signature, dynamic_dims)
     return compiled
+
+
+@functools.cache
+def _warn_if_untested_torch() -> None:
+    """Once per process: a torch outside the tested range installs and runs, with a warning."""
+    reason = _compat.untested_torch()
+    if reason is not None:
+        warnings.warn(reason, UntestedTorchWarning, stacklevel=3)
 
 
 class CompiledModel:

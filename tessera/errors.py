@@ -43,3 +43,7 @@ class TesseraWarning(UserWarning):
 class CacheWarning(TesseraWarning):
     """A cache root or entry could not be used (unwritable, full, not trusted); the model runs
     without that part of the cache."""
+
+
+class UntestedTorchWarning(TesseraWarning):
+    """The installed torch is outside the range tessera is tested on (warned once per process)."""

@@ -44,7 +44,22 @@ def layout_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
     dense (no gaps, no overlap). Two tensors of one class and one shape have equal strides."""
     strides = tensor.stride()
     order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
-    return order, _compat.is_dense(tensor)
+    return order, is_dense(tensor)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements fill its storage span without gaps or overlap (a permutation
+    of a contiguous tensor). Dims of size 1 have no meaningful stride."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def to_layout(tensor: torch.Tensor, expected: Any) -> torch.Tensor:

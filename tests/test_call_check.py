@@ -402,3 +402,24 @@ def test_a_model_output_argument_of_another_length_is_refused_clearly():
     assert served_or_refused(compiled, model, x, encoded(7)) == "served"
     with pytest.raises(tessera.InputMismatchError, match="shape"):
         compiled(x, encoded(9))
+
+
+def test_layout_density_without_private_apis():
+    from tessera.guards import is_dense
+
+    x = torch.randn(4, 3, 2)
+    assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1]) and is_dense(x[:0])
+    assert not is_dense(x[:, ::2]) and not is_dense(x.expand(2, 4, 3, 2)) and not is_dense(x[:, :, :1])
+
+
+def sums_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.sum(-1) * x.shape[0]
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_strided_first_call_is_traced_and_checked(backend):
+    compiled = tessera.compile(sums_rows, backend=backend, disable_cache=True)
+    base = torch.randn(6, 4)
+    assert served_or_refused(compiled, sums_rows, base[:, :2]) == "served"
+    assert served_or_refused(compiled, sums_rows, torch.randn(5, 4)[:, :2]) == "served"
+    assert served_or_refused(compiled, sums_rows, torch.randn(5, 2)) in ("served", "refused")

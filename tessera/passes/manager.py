@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.fx
 
+from tessera import _compat
 from tessera.config import Size, size_label
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def pass_manager(passes: Sequence[Any], size: Size) -> Any:
     also stop Inductor from producing the artifact tessera saves. Which passes ran is in tessera's
     own key (each pass's ``uuid()``), so unchanged passes still start warm from tessera's cache.
     """
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    CustomGraphPass = _compat.custom_graph_pass_base()
 
     nonce = uuid.uuid4().hex
 

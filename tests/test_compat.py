@@ -1,0 +1,329 @@
+"""Every entry of tessera/_compat.py, exercised on the installed torch.
+
+A torch release that moves a private API tessera uses fails a test here, by name, instead of a
+user's trace or warm start. Run alone on any torch with ``make test-compat TORCH=2.15.0``.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import tessera
+from tessera import _compat
+
+
+# -- what one Dynamo trace gives tessera ------------------------------------------------------------
+def traced(fn: Any, *args: Any, mark: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Trace ``fn(*args)`` once with Dynamo, keeping what tessera reads: the guard facts, the
+    graph's placeholder dims, the transformed bytecode, the traced code objects."""
+    seen: dict[str, Any] = {"codes": []}
+    code = fn.__code__
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen["dims"] = _compat.placeholder_dims(gm)
+        seen["traced_code"] = _compat.traced_code_objects()
+        seen["gm"] = gm
+        return gm.forward
+
+    def keep(entries: list[Any]) -> list[bool]:
+        seen["facts"] = [_compat.guard_fact(e) for e in entries]
+        return [False] * len(entries)
+
+    def hook(old: types.CodeType, new: types.CodeType) -> None:
+        if old is code:
+            seen["codes"].append(new)
+
+    for position in mark:  # dim 0 of these arguments is dynamic
+        _compat.dynamo().mark_dynamic(args[position], 0)
+    handle = _compat.register_bytecode_hook(hook)
+    try:
+        with _compat.single_trace_settings():
+            seen["output"] = torch.compile(
+                fn, backend=backend, fullgraph=True, dynamic=False, options={"guard_filter_fn": keep}
+            )(*args)
+    finally:
+        handle.remove()
+        _compat.reset_code(code)
+    return seen
+
+
+def two_inputs(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    return (x + y).relu() * n
+
+
+def test_a_trace_gives_guard_facts_with_kinds_names_values_and_code():
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    seen = traced(two_inputs, x, y, 2, mark=(0, 1))
+    torch.testing.assert_close(seen["output"], two_inputs(x, y, 2))
+    facts = seen["facts"]
+    kinds = {f.kind for f in facts}
+    assert {"TENSOR_MATCH", "SHAPE_ENV"} <= kinds
+    tensor = next(f for f in facts if f.kind == "TENSOR_MATCH" and f.name == "x")
+    assert tensor.has_value and tensor.value is x
+    constant = next(f for f in facts if f.name == "n")
+    assert constant.has_value and constant.value == 2
+    shape = next(f for f in facts if f.kind == "SHAPE_ENV")
+    assert any("size()[0]" in c for c in shape.code)  # the sizes' relations, as Python
+    assert _compat.guard_code(object()) == []
+
+
+def test_guard_detail_reads_string_and_source_arguments():
+    def adds(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    x = torch.randn(3)
+    facts = traced(adds, x, x)["facts"]  # one tensor through two sources
+    duplicate = next(f for f in facts if f.kind == "DUPLICATE_INPUT")
+    assert dict(duplicate.detail)["source_b"] in ("L['a']", "L['b']")
+
+
+def test_placeholder_dims_name_each_dynamic_dim_by_its_symbol():
+    seen = traced(two_inputs, torch.randn(4, 3), torch.randn(4, 3), 2, mark=(0, 1))
+    dims = seen["dims"]
+    assert set(dims) >= {"x", "y"}
+    assert dims["x"][0] is not None and dims["x"][1] is None
+    assert dims["y"][0] == dims["x"][0]  # x + y: one symbol
+
+
+def test_traced_code_objects_name_the_traced_function():
+    seen = traced(two_inputs, torch.randn(4, 3), torch.randn(4, 3), 2)
+    assert seen["traced_code"] is not None
+    assert two_inputs.__code__ in seen["traced_code"]
+
+
+def test_the_bytecode_hook_sees_the_transformed_code_and_it_calls_the_compiled_graph():
+    seen = traced(two_inputs, torch.randn(4, 3), torch.randn(4, 3), 2)
+    (code,) = seen["codes"]
+    names = set(code.co_names)
+    assert any(n.startswith(_compat.COMPILED_FN_PREFIX) for n in names)
+
+
+def test_source_names_round_trip():
+    assert _compat.dynamo_source_name("kwargs['x'].n") == "L['kwargs']['x'].n"
+    assert _compat.local_source_name("L['kwargs']['x'].n") == "kwargs['x'].n"
+    assert _compat.local_source_name("f(L['args'][0], L['kwargs']['y'])") == "f(args[0], kwargs['y'])"
+
+
+def test_trace_settings_make_state_ints_symbolic_and_restore_the_mha_switch():
+    before = torch.backends.mha.get_fastpath_enabled()
+    with _compat.single_trace_settings(("kwargs['cache'].n",), size_oblivious=True):
+        assert torch.backends.mha.get_fastpath_enabled() is False
+    assert torch.backends.mha.get_fastpath_enabled() is before
+    assert _compat.supports_dynamic_state() is True
+
+
+def test_mark_unbacked_traces_size_one_without_specialising():
+    x = torch.randn(1, 3)
+    _compat.mark_unbacked(x, 0)
+    seen = traced(lambda t: t * 2, x)
+    assert seen["dims"]["t"][0] is not None
+
+
+def test_trace_errors_and_constraint_violation_are_exception_types():
+    errors = _compat.trace_errors()
+    assert errors and all(issubclass(e, BaseException) for e in errors)
+
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        print("graph break")  # noqa: T201
+        return x
+
+    with pytest.raises(errors):
+        traced(breaks, torch.randn(2))
+    assert issubclass(_compat.constraint_violation_error(), BaseException)
+
+
+def test_backend_failure_unwraps_what_the_backend_raised():
+    class Ours(Exception):
+        pass
+
+    def failing(gm: Any, inputs: Any) -> Any:
+        raise Ours("from the backend")
+
+    with pytest.raises(Exception) as caught:
+        torch.compile(lambda x: x + 1, backend=failing, fullgraph=True)(torch.randn(2))
+    assert isinstance(_compat.backend_failure(caught.value), Ours)
+    assert _compat.backend_failure(ValueError()) is None
+
+
+# -- tensors, symbols, ops ---------------------------------------------------------------------------
+def test_storage_identity():
+    x = torch.randn(4, 3)
+    assert _compat.same_storage(x, x[1:]) and not _compat.same_storage(x, x.clone())
+
+
+def test_symbols_read_from_a_fake_graph():
+    seen = traced(two_inputs, torch.randn(4, 3), torch.randn(4, 3), 2, mark=(0, 1))
+    placeholder = next(n for n in seen["gm"].graph.nodes if n.op == "placeholder" and n.name == "l_x_")
+    size = placeholder.meta["example_value"].shape[0]
+    assert isinstance(size, torch.SymInt)
+    assert _compat.sym_expr(size).is_Symbol and not _compat.is_constant_symint(size)
+
+
+def test_op_names_and_mutability():
+    op = torch.ops.aten.add_.Tensor
+    assert isinstance(op, _compat.OpOverload)
+    assert isinstance(torch.ops.aten.add, _compat.OpOverloadPacket)
+    assert _compat.op_schema_name(op) == "aten::add_"
+    assert _compat.overload_of(op) == "Tensor"
+    assert _compat.op_overload_name(op) == "aten::add_.Tensor"
+    assert _compat.op_is_mutable(op) and not _compat.op_is_mutable(torch.ops.aten.add.Tensor)
+    assert _compat.packet_name(torch.ops.aten.add) == "aten::add"
+
+
+# -- the global state a graph bakes in ---------------------------------------------------------------
+def test_call_state_sees_autocast_default_dtype_and_function_modes():
+    plain = _compat.call_state()
+    assert plain == ((), torch.float32, 0)
+    assert _compat.any_autocast()() is False and _compat.function_mode_depth()() == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _compat.call_state()[0] == (("cpu", torch.bfloat16),)
+        assert _compat.any_autocast()() is True
+    with torch.device("cpu"):
+        assert _compat.call_state()[2] == 1 == _compat.function_mode_depth()()
+    assert _compat.call_state() == plain
+
+
+def test_guard_globals_resolve_dynamos_aliases():
+    namespace = _compat.guard_globals({})
+    assert namespace["__import_torch_dot_nn"] is torch.nn
+    assert "abs" in namespace["__builtins_dict___0"]
+    with pytest.raises(KeyError):
+        namespace["unknown"]
+
+
+# -- saved bytecode: Dynamo's helpers without importing Dynamo ----------------------------------------
+def test_the_dynamo_utils_helpers_match_dynamos_own():
+    from torch._dynamo import utils
+
+    x = torch.randn(4, 3)[1:]
+    helpers = _compat.DYNAMO_UTILS_HELPERS
+    for name in ("call_size", "call_stride"):
+        assert helpers[name](x, 1) == getattr(utils, name)(x, 1)
+    assert helpers["call_storage_offset"](x) == utils.call_storage_offset(x)
+    for name in helpers:
+        assert hasattr(utils, name), f"torch._dynamo.utils.{name} is gone: the saved bytecode's helper"
+    cm = helpers["record_pregraph_bytecode_enter"]()
+    helpers["record_pregraph_bytecode_exit"](cm)
+
+    class Plain:
+        pass
+
+    obj = Plain()
+    helpers["object_setattr_ignore_descriptor"](obj, "a", 1)
+    assert obj.a == 1
+
+
+def test_saved_bytecode_reads_only_known_helpers(tmp_path, monkeypatch):
+    """A cold trace's bytecode, run warm: the helpers it reads from torch._dynamo.utils are ours."""
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 3)[:, :2]  # a strided input: the bytecode reads sizes and strides
+    cold = tessera.compile(lambda t: t.sum(-1) * t.shape[0], backend="eager")
+    with torch.no_grad():
+        expected = cold(x)
+    assert cold.trace_code is not None
+    lazy = _compat.module_for_bytecode("torch._dynamo.utils")
+    if isinstance(lazy, _compat.LazyModule):
+        for name in cold.trace_code.co_names:
+            assert not name.startswith("call_") or name in _compat.DYNAMO_UTILS_HELPERS
+    torch.testing.assert_close(expected, x.sum(-1) * 4)
+
+
+def test_module_for_bytecode_stands_in_for_dynamo_until_needed():
+    import sys
+
+    if "torch._dynamo.utils" in sys.modules:
+        assert _compat.module_for_bytecode("torch._dynamo.utils") is sys.modules["torch._dynamo.utils"]
+    lazy = _compat.LazyModule("torch._dynamo.utils", {"call_size": _compat.DYNAMO_UTILS_HELPERS["call_size"]})
+    assert lazy.call_size(torch.randn(2, 5), 1) == 5
+    assert callable(lazy.is_compile_supported)  # falls through to the real module
+    assert _compat.module_for_bytecode("math").sqrt(4) == 2
+
+
+# -- Inductor -------------------------------------------------------------------------------------
+def test_inductor_config_reads():
+    names = _compat.inductor_config_names()
+    assert "max_autotune" in names and "cpp.simdlen" in names
+    assert names >= _compat.INDUCTOR_CONFIG_NOT_IN_KEY
+    first = _compat.inductor_config_repr()
+    assert first == _compat.inductor_config_repr()
+    before = _compat.inductor_config_overrides()
+    with _compat.inductor_config().patch({"max_autotune": not _compat.inductor_config().max_autotune}):
+        assert _compat.inductor_config_repr() != first
+        assert _compat.inductor_config_overrides() != before
+
+
+def test_vector_isa_reads():
+    candidates = _compat.vec_isa_candidates()
+    assert isinstance(candidates, tuple)
+    picked = _compat.picked_vec_isa()
+    assert isinstance(picked, str)
+    with _compat.trusted_vec_isa(True):
+        assert _compat.inductor_config().cpp.vec_isa_ok is True
+
+
+def test_kernel_env_and_extern_kernels():
+    env = _compat.kernel_env()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    assert hasattr(_compat.extern_kernels(), "mm")
+    assert isinstance(_compat.custom_graph_pass_base(), type)
+
+
+@pytest.mark.inductor
+def test_standalone_compile_saves_loads_and_exposes_its_code(tmp_path):
+    def f(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return ((x * 2).sin(),)  # as tessera's pieces: a sequence out
+
+    x = torch.randn(8)
+    gm = traced(f, x)["gm"]  # a Dynamo graph, as tessera compiles
+    artifact = _compat.standalone_compile(gm, [x], "from_example_inputs", {})
+    torch.testing.assert_close(artifact(x)[0], f(x)[0])
+    assert _compat.find_compiled_graph(artifact) is not None
+    path = str(tmp_path / "artifact.bin")
+    artifact.save(path=path, format="binary")
+    loaded = _compat.load_compiled_artifact(path)
+    torch.testing.assert_close(loaded(x)[0], f(x)[0])
+
+
+# -- module hooks, structured trace ---------------------------------------------------------------------
+def test_module_hook_dicts():
+    module = torch.nn.Linear(2, 2)
+    assert _compat.global_module_hooks() is False and _compat.global_backward_hooks() is False
+    module.register_forward_pre_hook(lambda m, args: None)
+    module.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True)
+    pre, post, pre_kwargs, post_kwargs = _compat.forward_hooks(module)
+    assert len(pre) == 1 and len(post) == 1 and not pre_kwargs and len(post_kwargs) == 1
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert _compat.global_module_hooks() is True
+    finally:
+        handle.remove()
+
+
+def test_trace_artifact_is_silent_without_torch_trace():
+    _compat.trace_artifact("tessera_test", lambda: "payload", in_compile=False)
+
+
+# -- the supported range -----------------------------------------------------------------------------
+def test_the_installed_torch_is_in_the_tested_range_and_others_warn_once(monkeypatch):
+    assert _compat.untested_torch() is None, torch.__version__
+    assert _compat.torch_release("2.15.0+cu130") == (2, 15)
+    assert _compat.untested_torch("2.11.0") is None
+    assert "outside the range" in (_compat.untested_torch("2.16.0") or "")
+    assert "outside the range" in (_compat.untested_torch("2.10.1") or "")
+    from tessera import api
+
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    api._warn_if_untested_torch.cache_clear()
+    try:
+        with pytest.warns(tessera.UntestedTorchWarning, match="2.99.0"):
+            tessera.compile(two_inputs, backend="eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tessera.compile(two_inputs, backend="eager")  # once per process
+    finally:
+        api._warn_if_untested_torch.cache_clear()
