@@ -44,11 +44,10 @@ def pass_manager(passes: Sequence[Any], size: Size) -> Any:
     also stop Inductor from producing the artifact tessera saves. Which passes ran is in tessera's
     own key (each pass's ``uuid()``), so unchanged passes still start warm from tessera's cache.
     """
-    CustomGraphPass = _compat.custom_graph_pass_base()
-
+    base: Any = _compat.custom_graph_pass_base()
     nonce = uuid.uuid4().hex
 
-    class PassManager(CustomGraphPass):  # type: ignore[misc]
+    class PassManager(base):  # type: ignore[misc]
         def __call__(self, graph: torch.fx.Graph) -> None:
             token = _SIZE.set(size)
             try:
