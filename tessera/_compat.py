@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -458,13 +459,16 @@ def inductor_config_overrides() -> str:
     changed: list[tuple[str, str]] = []
     entries = getattr(module, "_config", None) if module is not None else None
     if isinstance(entries, dict):
-        for name, entry in entries.items():
-            if name.startswith("_") or name in INDUCTOR_CONFIG_NOT_IN_KEY:
-                continue
-            with contextlib.suppress(Exception):
-                value = getattr(module, name)
-                if value != getattr(entry, "default", value):
-                    changed.append((name, repr(value)))
+        # Reading a deprecated setting warns (torch 2.15: use_mixed_mm): we only compare values.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for name, entry in entries.items():
+                if name.startswith("_") or name in INDUCTOR_CONFIG_NOT_IN_KEY:
+                    continue
+                with contextlib.suppress(Exception):
+                    value = getattr(module, name)
+                    if value != getattr(entry, "default", value):
+                        changed.append((name, repr(value)))
     return repr((env, sorted(changed)))
 
 

@@ -7,6 +7,7 @@ as a piece file that also loads without Inductor, see kernels.py). A user's own 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -249,8 +250,9 @@ class InductorCompiler:
             fn = artifact
         if piece.returns_tuple:
             return fn
-        # Compiled code always returns a sequence; the piece graph returned a single value.
-        return lambda *args: fn(*args)[0]
+        # The piece graph returned a single value. Inductor's code returns a sequence; torch 2.15's
+        # standalone-compile artifact returns the graph's own structure (the value itself).
+        return functools.partial(_single_output, fn)
 
     def _load_standard(self, data: bytes) -> Any:
         if not data:
@@ -280,6 +282,11 @@ class InductorCompiler:
             atomic_write(self.machine_record, json.dumps(record, sort_keys=True).encode())
         except OSError as e:
             log.debug("cannot record the ISA probe at %s: %s", self.machine_record, e)
+
+
+def _single_output(fn: Callable[..., Any], *args: Any) -> Any:
+    out = fn(*args)
+    return out[0] if isinstance(out, (list, tuple)) else out
 
 
 def _standard_bytes(artifact: Any) -> bytes:
