@@ -160,6 +160,10 @@ class CompiledModel:
         self._static_dims: frozenset[tuple[str, int]] = frozenset()
         self._small: dict[frozenset[tuple[str, int, int]], CompiledModel] = {}
         self._accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
+        # Set by wrappers (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
+        # the code fixes them), and a function marking dims of tensors nested in the arguments.
+        self._soft_dims = False
+        self._mark_nested: Callable[[dict[str, Any]], None] | None = None
         if RECORDER is not None:
             RECORDER.append(self)
 
@@ -178,6 +182,12 @@ class CompiledModel:
         if self._bound_to is not None:
             signature = signature.replace(parameters=list(signature.parameters.values())[1:])
         return signature
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """What ``inspect.signature(compiled)`` gives: the model's, so callers that read it (Hugging
+        Face ``generate()`` checks which keywords ``forward`` takes) see the real parameters."""
+        return self.signature
 
     @property
     def name(self) -> str:
@@ -366,10 +376,14 @@ class CompiledModel:
         return self._trace(args, kwargs, values, choice), self._call
 
     def _choose(self, values: dict[str, Any]) -> DynamicChoice:
-        choice = choose_dynamic_dims(self._func, values, self._dynamic_dims)
-        if not self._static_dims:
-            return choice
-        return DynamicChoice(tuple(d for d in choice.dims if d not in self._static_dims), choice.guessed)
+        wanted = self._dynamic_dims
+        if self._soft_dims and wanted is not None:
+            # Suggested dims (tessera.hf): an argument that is not a tensor in this call (a
+            # mask passed as a dict of masks) has none.
+            wanted = {n: d for n, d in wanted.items() if isinstance(values.get(n), torch.Tensor)}
+        choice = choose_dynamic_dims(self._func, values, wanted)
+        dims = tuple(d for d in choice.dims if d not in self._static_dims)
+        return DynamicChoice(dims, choice.guessed or self._soft_dims)
 
     def _small_child(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
         """The compiled forward of the small-size child whose check this call passes, if any."""
@@ -396,9 +410,10 @@ class CompiledModel:
                     "%s: compiling for the small size(s) %s (Dynamo traces sizes >= 2)", self.name, label
                 )
                 prefix = f"{self.prefix or 'model'}-small-{label}"
-                child = CompiledModel(self.model, self.config, self._dynamic_dims, prefix, None)
+                # The forward itself (a wrapper may stand in model.forward by now).
+                child = CompiledModel(self._target, self.config, self._dynamic_dims, prefix, None)
                 child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
-                child._module = None  # root hooks are run by this model, around the whole call
+                child._soft_dims, child._mark_nested = self._soft_dims, self._mark_nested
                 self._small[small] = child
         return child(*args, **kwargs)
 
@@ -409,6 +424,8 @@ class CompiledModel:
         compiler, root, prefix, print_, remote = self._context
         backend = PiecewiseBackend(self.config, compiler, root, prefix, remote)
         mark_dynamic(values, choice, self.config.dynamic_shapes)
+        if self._mark_nested is not None:
+            self._mark_nested(values)
         start = time.perf_counter()
         versions = _versions(args, kwargs)
         trace = trace_once(

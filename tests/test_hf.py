@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +174,80 @@ def test_encoders_with_a_dynamic_batch_match_eager(family):
             expected = model(**inputs(batch)).last_hidden_state
             torch.testing.assert_close(compiled(**inputs(batch)).last_hidden_state, expected)
     assert sum(p.is_splitting for p in compiled.pieces) == 2  # one SDPA call per layer
+
+
+# -- generate() as people call it ---------------------------------------------------------------------
+def _generations(model: Any) -> list[torch.Tensor]:
+    """Greedy (prompts of 7 and of 1, one new token and several), a left-padded batch, and seeded
+    sampling, with the model's default cache unless the caller patched generate's options."""
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(7))
+    single = torch.randint(1, 128, (1, 1), generator=torch.Generator().manual_seed(1))
+    padded = torch.randint(1, 128, (2, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(padded)
+    padded[1, :3], mask[1, :3] = 0, 0
+    greedy = {"do_sample": False, "pad_token_id": 0}
+    out = [
+        model.generate(prompt, max_new_tokens=10, **greedy),
+        model.generate(prompt, max_new_tokens=1, **greedy),
+        model.generate(single, max_new_tokens=5, **greedy),
+        model.generate(padded, attention_mask=mask, max_new_tokens=6, **greedy),
+    ]
+    torch.manual_seed(3)
+    out.append(model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=0))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "backend", "cache"),
+    [
+        ("llama", "eager", None),
+        ("qwen2", "eager", None),
+        ("llama", "eager", "static"),
+        ("qwen2", "eager", "static"),
+        pytest.param("llama", "inductor", None, marks=pytest.mark.inductor),
+    ],
+)
+def test_generate_under_compile_for_generate_matches_eager(family, backend, cache, monkeypatch):
+    model, _ = build(family)
+    if cache is not None:
+        model.generation_config.cache_implementation = cache
+    expected = _generations(model)
+    forward = hf.compile_for_generate(model, backend=backend)
+    assert model.forward is forward
+    assert "attention_mask" in inspect.signature(model.forward).parameters  # generate() reads it
+    got = _generations(model)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"{family}, {cache or 'dynamic'} cache, generation {i}"
+    # Compiled code served the steps: each kind of call traced once, decode served many steps.
+    decode_steps = sum(
+        n for m in forward.models if m.name == "decode" for p in m.pieces[:1] for _, n in p.served
+    )
+    # 9 + 5 + 5 steps after the first token of three generations (the short prompt's first decode
+    # step, at cache length 1, has a trace of its own).
+    assert decode_steps >= 9 + 5 + 5
+    assert tessera.counters.snapshot()["graphs_traced"] <= 2 * len(forward.models)
+    forward.restore()
+    assert model.forward == forward.original
+
+
+@pytest.mark.parametrize(
+    ("cache", "backend"),
+    [
+        ("dynamic", "eager"),
+        ("static", "eager"),
+        pytest.param("dynamic", "inductor", marks=pytest.mark.inductor),
+    ],
+)
+def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cache, backend):
+    def run(out: str) -> dict:
+        return run_json(
+            "tests.run_generate", "llama", backend, cache, str(tmp_path / out), cache=tmp_path / "c"
+        )
+
+    cold, warm = run("cold.pt"), run("warm.pt")
+    assert cold["counters"]["graphs_traced"] >= 2 and cold["decode_served"] > 0
+    assert warm["counters"]["graphs_traced"] == 0 and warm["counters"].get("inductor_compiles", 0) == 0
+    assert warm["warm_start"] == [True] and warm["decode_served"] == cold["decode_served"]
+    cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
+    for got, eager, again in zip(cold_out["tokens"], cold_out["eager"], warm_out["tokens"], strict=True):
+        assert torch.equal(got, eager) and torch.equal(again, got)

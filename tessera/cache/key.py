@@ -273,7 +273,7 @@ def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0, 
         ]
     if isinstance(value, dict):
         items = list(value.items())[:64]
-        return ["dict", sorted((str(k), describe(v, depth=depth + 1, held=held)) for k, v in items)]
+        return ["dict", sorted((_const_repr(k), describe(v, depth=depth + 1, held=held)) for k, v in items)]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {
             f.name: describe(getattr(value, f.name, None), depth=depth + 1, held=held)
@@ -308,6 +308,10 @@ def _attention(config: Any) -> str:
 def _attribute(value: Any, depth: int, held: bool) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and not held:
         return type(value).__name__
+    if isinstance(value, torch.Tensor) and not held:
+        # A tensor an argument object holds (a KV cache's keys) by kind only: its sizes move from
+        # call to call, and the artifact's call check compares them before a warm start uses it.
+        return ["tensor", str(value.dtype), str(value.device), value.dim()]
     return describe(value, depth=depth + 1, held=held)
 
 
@@ -317,7 +321,9 @@ def _module_state(model: torch.nn.Module) -> list[Any]:
         attrs = {
             k: describe(v, depth=2, held=True)
             for k, v in vars(module).items()
-            if not k.startswith("_") and not isinstance(v, torch.nn.Module)
+            # An instance ``forward`` is a wrapper standing in for the class's (tessera.hf's):
+            # code, and what it holds is not what the trace reads.
+            if not k.startswith("_") and k != "forward" and not isinstance(v, torch.nn.Module)
         }
         state.append((name, type(module).__qualname__, module.training, sorted(attrs.items())))
         tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]

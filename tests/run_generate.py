@@ -1,0 +1,45 @@
+"""Subprocess helper: ``model.generate()`` under ``hf.compile_for_generate``, cold or warm.
+
+Usage: python -m tests.run_generate FAMILY BACKEND CACHE OUT.pt   (CACHE: dynamic or static)
+Greedy generation of two prompts; tokens (and eager's) go to OUT.pt; counters, whether each compiled
+model started warm, and what served the decode steps are printed as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+import tessera
+from tessera import hf
+from tests.test_hf import build
+
+
+def main() -> int:
+    family, backend, cache, out = sys.argv[1:5]
+    model, _ = build(family)
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    if cache == "static":
+        options["cache_implementation"] = "static"
+    prompts = [torch.randint(1, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+    expected = [model.generate(p, **options) for p in prompts]
+    forward = hf.compile_for_generate(model, backend=backend)
+    tokens = [model.generate(p, **options) for p in prompts]
+    report = {
+        "counters": tessera.counters.snapshot(),
+        "warm_start": sorted({bool(m.warm_start) for m in forward.models}),
+        "refused": [m.warm_start_refused for m in forward.models],
+        "artifact": [m.report.as_dict()["whole_model_artifact"] for m in forward.models if m.report],
+        "decode_served": sum(
+            n for m in forward.models if m.name == "decode" for p in m.pieces[:1] for _, n in p.served
+        ),
+    }
+    torch.save({"tokens": tokens, "eager": expected}, out)
+    json.dump(report, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
