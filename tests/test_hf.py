@@ -251,3 +251,14 @@ def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cach
     cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
     for got, eager, again in zip(cold_out["tokens"], cold_out["eager"], warm_out["tokens"], strict=True):
         assert torch.equal(got, eager) and torch.equal(again, got)
+
+
+def test_beam_search_under_compile_for_generate_matches_eager():
+    model, _ = build("llama")
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(7))
+    options = {"max_new_tokens": 6, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+    expected = model.generate(prompt, **options)
+    forward = hf.compile_for_generate(model, backend="eager")
+    assert torch.equal(model.generate(prompt, **options), expected)
+    decode = [m for m in forward.models if m.name == "decode"]
+    assert decode and sum(n for m in decode for _, n in m.pieces[0].served) == 5
