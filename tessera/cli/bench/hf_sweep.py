@@ -71,7 +71,10 @@ def _prefill(model: Any, call: Any, vocab: int) -> None:
         with torch.no_grad():
             expected = model(input_ids=ids, use_cache=False).logits
             got = call(input_ids=ids, use_cache=False).logits
-        torch.testing.assert_close(got, expected, msg=lambda m, n=n: f"length {n}: {m}")
+        try:
+            torch.testing.assert_close(got, expected)
+        except AssertionError as e:
+            raise AssertionError(f"length {n}: {e}") from None
 
 
 def one(family: str) -> dict[str, Any]:
