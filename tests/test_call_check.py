@@ -232,8 +232,7 @@ def test_an_output_that_views_an_input_in_eager_views_it_compiled(backend):
         compiled = tessera.compile(fn, backend=backend)
         for rows in (4, 5, 7):
             x, expected_x = torch.zeros(rows, 3), torch.zeros(rows, 3)
-            with torch.no_grad():
-                out, expected = compiled(x), fn(expected_x)
+            out, expected = compiled(x), fn(expected_x)
             first, expected_first = (out[0], expected[0]) if isinstance(out, tuple) else (out, expected)
             torch.testing.assert_close(out, expected)
             first.add_(10)  # a write through the output reaches the argument, as in eager
@@ -242,8 +241,7 @@ def test_an_output_that_views_an_input_in_eager_views_it_compiled(backend):
     # A warm start keeps the views: the replay is part of the saved split module.
     warm = tessera.compile(adds_then_slices, backend=backend)
     x = torch.zeros(6, 3)
-    with torch.no_grad():
-        warm(x).add_(10)
+    warm(x).add_(10)
     assert warm.warm_start is True
     assert x[0].sum().item() == 3 and x[1:].sum().item() == 5 * 3 * 11
 
@@ -261,18 +259,16 @@ def test_a_size_under_dynamos_floor_of_two_gets_its_own_trace(backend):
     """Dynamo traces a dynamic size as >= 2; code that differs at 1 must not run the general graph."""
     for fn in (squeezes, branches_on_one):
         compiled = tessera.compile(fn, backend=backend, disable_cache=True)
-        with torch.no_grad():
-            for rows in (3, 4, 1, 5, 1):
-                x = torch.randn(rows, 1, 3)
-                torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {rows} rows")
+        for rows in (3, 4, 1, 5, 1):
+            x = torch.randn(rows, 1, 3)
+            torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {rows} rows")
         assert tessera.counters.snapshot().get("graphs_traced", 0) == 2, "one general trace, one for size 1"
         tessera.counters.reset()
     # A first call at size 1 is served by its own trace too; the general one waits for sizes >= 2.
     compiled = tessera.compile(squeezes, backend=backend, disable_cache=True)
-    with torch.no_grad():
-        for rows in (1, 3, 1, 6):
-            x = torch.randn(rows, 1, 3)
-            torch.testing.assert_close(compiled(x), squeezes(x))
+    for rows in (1, 3, 1, 6):
+        x = torch.randn(rows, 1, 3)
+        torch.testing.assert_close(compiled(x), squeezes(x))
     assert tessera.counters.snapshot().get("graphs_traced", 0) == 2
 
 
@@ -285,10 +281,9 @@ def cat_then_attention(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.inductor
 def test_pieces_dispatch_on_the_dynamic_size_not_a_size_derived_from_it():
     compiled = tessera.compile(cat_then_attention, backend="inductor", compile_sizes=[8], disable_cache=True)
-    with torch.no_grad():
-        for rows in (5, 4, 8, 3, 16):
-            x = torch.randn(rows, 3)
-            torch.testing.assert_close(compiled(x), cat_then_attention(x), msg=f"{rows} rows")
+    for rows in (5, 4, 8, 3, 16):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x), cat_then_attention(x), msg=f"{rows} rows")
     for piece in compiled.pieces:
         if not piece.is_splitting and piece.sizes:
             assert dict(piece.served)["size 8"] == 1, f"{piece.name}: only the call with 8 rows is size 8"
@@ -304,7 +299,7 @@ def test_compile_sizes_that_cannot_work_are_config_errors():
     with pytest.raises(tessera.ConfigError, match="fits in memory"):
         tessera.compile(squeezes, compile_sizes=[2**40])
     compiled = tessera.compile(sums_both, backend="eager", compile_sizes=[4], disable_cache=True)
-    with pytest.raises(tessera.ConfigError, match="exactly one dynamic size"), torch.no_grad():
+    with pytest.raises(tessera.ConfigError, match="exactly one dynamic size"):
         compiled(torch.randn(5, 3), torch.randn(7, 3))  # two independent dynamic sizes
 
 
@@ -313,7 +308,7 @@ def test_a_compile_size_whose_inputs_exceed_memory_is_a_config_error(monkeypatch
 
     monkeypatch.setattr(piece, "device_memory", lambda device: 1024)
     compiled = tessera.compile(cat_then_attention, backend="eager", compile_sizes=[4096], disable_cache=True)
-    with pytest.raises(tessera.ConfigError, match="drop 4096 from compile_sizes"), torch.no_grad():
+    with pytest.raises(tessera.ConfigError, match="drop 4096 from compile_sizes"):
         compiled(torch.randn(5, 3))
 
 

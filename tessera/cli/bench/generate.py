@@ -16,18 +16,11 @@ from typing import Any
 import torch
 
 from tessera.cli.bench import header
+from tessera.cli.bench.startup import HF_SIZES
 
 NEW_TOKENS = 64
 PROMPT = 16
-SIZES = {
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-}
+SIZES = HF_SIZES  # the startup benchmark's Hugging Face models: 4 layers, width 256
 
 
 def _build(family: str) -> Any:
