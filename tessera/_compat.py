@@ -8,6 +8,7 @@ the whole-model artifact needs neither. Each helper says which torch versions it
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -110,6 +111,38 @@ def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
     from torch._dynamo.decorators import mark_unbacked as mark
 
     mark(tensor, dim)
+
+
+# What Dynamo's mark_dynamic / maybe_mark_dynamic / mark_unbacked leave on a tensor (torch
+# 2.11-2.15, torch/_dynamo/decorators.py): attributes that outlive the call they were set for.
+_DIM_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_strict_unbacked_indices",
+    "_dynamo_unbacked_bounds",
+    "_dynamo_hint_overrides",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",  # 2.13+: guarded on by Dynamo ("present at runtime, absent at compile")
+)
+
+
+@contextlib.contextmanager
+def dim_marks_restored(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """The tensors' dim marks as they were before the body (torch 2.11-2.15): tessera marks the
+    caller's tensors for its one trace, and a mark left behind would follow the tensor into the
+    caller's own torch.compile, or into another trace of the same tensor (one per size)."""
+    saved = [(t, {n: copy.copy(t.__dict__[n]) for n in _DIM_MARKS if n in t.__dict__}) for t in tensors]
+    try:
+        yield
+    finally:
+        for tensor, marks in saved:
+            for name in _DIM_MARKS:
+                if name in marks:
+                    setattr(tensor, name, marks[name])
+                elif name in tensor.__dict__:
+                    delattr(tensor, name)
 
 
 def supports_dynamic_state() -> bool:

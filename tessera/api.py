@@ -13,6 +13,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import threading
 import time
 import types
@@ -31,7 +32,7 @@ from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
 from tessera.compilers import make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
-from tessera.errors import ConfigError, UntestedTorchWarning
+from tessera.errors import ConfigError, SizeFixedError, TesseraWarning, UntestedTorchWarning
 from tessera.piece import PieceRecord
 from tessera.report import CompileReport, build_report, counter_delta, save_report
 from tessera.wrapper import (
@@ -54,6 +55,8 @@ RECORDER: list[CompiledModel] | None = None
 # Argument state (a StaticCache's length) may turn symbolic this many times before calls whose
 # state differs are refused: each re-trace costs a compile.
 MAX_STATE_RETRACES = 2
+# Sizes traced one by one where the code fixes a dynamic dim's size; Dynamo's recompile limit.
+MAX_SIZE_TRACES = 8
 
 
 def compile(
@@ -139,6 +142,9 @@ class CompiledModel:
         self._counters_before: dict[str, int] = {}
         self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
         self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
+        self.eager_calls = 0  # calls run eagerly past MAX_SIZE_TRACES (code that fixes sizes)
+        self._per_size = False  # the code fixes a dynamic dim's size: each size has its own trace
+        self._marked_paths: dict[str, frozenset[int]] = {}  # args[i] / kwargs['k'] -> dims marked
         self._context: tuple[Any, Path | None, str, str | None, RemoteTier | None] = (
             None,
             None,
@@ -373,7 +379,10 @@ class CompiledModel:
             self._deferred += 1
             return self._small_call(args, kwargs, choice.dims), None
         self._context = (compiler, root, prefix, print_, remote)
-        return self._trace(args, kwargs, values, choice), self._call
+        try:
+            return self._trace(args, kwargs, values, choice), self._call
+        except SizeFixedError as e:
+            return self._start_per_size(args, kwargs, e)
 
     def _choose(self, values: dict[str, Any]) -> DynamicChoice:
         wanted = self._dynamic_dims
@@ -392,24 +401,25 @@ class CompiledModel:
                 return child._fast
         return None
 
-    def _small_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: Any) -> Any:
+    def _small_call(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: Any, every_size: bool = False
+    ) -> Any:
         """A call with a dynamic size under Dynamo's floor of 2: served by a model traced with
         those dims static at this call's sizes (one per distinct combination, compiled once, and
-        cached as any model), since code may behave differently there (``x.squeeze()``)."""
+        cached as any model), since code may behave differently there (``x.squeeze()``).
+        ``every_size``: the code fixes the dims' sizes, so every size is served this way."""
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
         small = frozenset(
             (name, dim, int(values[name].shape[dim]))
             for name, dim in dims
-            if isinstance(values.get(name), torch.Tensor) and values[name].shape[dim] < 2
+            if isinstance(values.get(name), torch.Tensor) and (every_size or values[name].shape[dim] < 2)
         )
         with self._lock:
             child = self._small.get(small)
             if child is None:
                 label = "-".join(f"{name}{dim}x{size}" for name, dim, size in sorted(small))
-                log.info(
-                    "%s: compiling for the small size(s) %s (Dynamo traces sizes >= 2)", self.name, label
-                )
-                prefix = f"{self.prefix or 'model'}-small-{label}"
+                log.info("%s: compiling for the size(s) %s alone", self.name, label)
+                prefix = f"{self.prefix or 'model'}-{'size' if every_size else 'small'}-{label}"
                 # The forward itself (a wrapper may stand in model.forward by now).
                 child = CompiledModel(self._target, self.config, self._dynamic_dims, prefix, None)
                 child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
@@ -417,28 +427,94 @@ class CompiledModel:
                 self._small[small] = child
         return child(*args, **kwargs)
 
+    def _start_per_size(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], error: SizeFixedError
+    ) -> tuple[Any, Callable[..., Any]]:
+        """The code fixes the size of a dim marked dynamic (``x.view(1, 16, ...)``, a Python loop
+        over the sequence), so the trace failed: every size is served by a trace of its own."""
+        self._backend = None
+        module = self._module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if module is not None and hooks.active(module):
+                return hooks.call_with_hooks(module, self._per_size_call, args, kwargs)
+            return self._per_size_call(*args, **kwargs)
+
+        return self._per_size_call(*args, _reason=str(error), **kwargs), call
+
+    def _dims_label(self) -> str:
+        return ", ".join(f"{name} dim {dim}" for name, dim in self.marked_dims) or "the arguments"
+
+    def _per_size_call(self, *args: Any, _reason: str = "", **kwargs: Any) -> Any:
+        """A call of a model whose code fixes a dynamic dim's size: one graph cannot serve every
+        size, so each size gets a trace of its own, as torch.compile recompiles per size, up to
+        MAX_SIZE_TRACES sizes; further sizes run eagerly. Both said once, as warnings: the user
+        asked for one graph and gets several, or none."""
+        child = self._small_child(args, kwargs)
+        if child is not None:
+            return child(*args, **kwargs)
+        if not self._per_size:
+            self._per_size = True
+            warnings.warn(
+                f"{_reason or self.name + ': the code fixes the size of a dim marked dynamic'}; tessera "
+                f"traces each size of {self._dims_label()} on its own (as torch.compile recompiles), "
+                f"up to {MAX_SIZE_TRACES} sizes, then runs further sizes eagerly",
+                TesseraWarning,
+                stacklevel=4,
+            )
+        if len(self._small) >= MAX_SIZE_TRACES:
+            if not self.eager_calls:
+                warnings.warn(
+                    f"{self.name}: {len(self._small)} sizes of {self._dims_label()} traced, the limit; "
+                    "further sizes run eagerly. Pad the inputs to a few sizes to serve them compiled",
+                    TesseraWarning,
+                    stacklevel=4,
+                )
+            self.eager_calls += 1
+            return self._target(*args, **kwargs)
+        return self._small_call(args, kwargs, self.marked_dims, every_size=True)
+
+    def _only_fixed_sizes(self, mismatches: list[tuple[guards.Assumption, Any]]) -> bool:
+        """Whether the call differs from the trace only in the size of dims marked dynamic that
+        the trace kept static: the code fixed them (a guessed dim is only "maybe dynamic")."""
+        return all(self._differs_in_marked_dims(a, found) for a, found in mismatches)
+
+    def _differs_in_marked_dims(self, assumption: guards.Assumption, found: Any) -> bool:
+        match = re.fullmatch(r"(\w+\[[^\]]+\])\.shape(?:\[(\d+)\])?", assumption.expr)
+        dims = self._marked_paths.get(match.group(1), frozenset()) if match else frozenset()
+        if match is None or not dims:
+            return False
+        if match.group(2) is not None:  # one static dim of a tensor with dynamic ones
+            return int(match.group(2)) in dims
+        expected = assumption.expected
+        if not isinstance(found, torch.Size) or len(found) != len(expected):
+            return False
+        return all(f == e or d in dims for d, (f, e) in enumerate(zip(found, expected, strict=True)))
+
     def _trace(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
     ) -> Any:
         """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
         compiler, root, prefix, print_, remote = self._context
         backend = PiecewiseBackend(self.config, compiler, root, prefix, remote)
-        mark_dynamic(values, choice, self.config.dynamic_shapes)
-        if self._mark_nested is not None:
-            self._mark_nested(values)
         start = time.perf_counter()
         versions = _versions(args, kwargs)
-        trace = trace_once(
-            self._entry,
-            backend,
-            self._target,
-            args,
-            kwargs,
-            self._func.__qualname__,
-            self._recorder(args, kwargs, choice),
-            self._dynamic_state,
-            size_oblivious=self.config.dynamic_shapes == "backed_size_oblivious",
-        )
+        marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        with _compat.dim_marks_restored(marked):
+            mark_dynamic(values, choice, self.config.dynamic_shapes)
+            if self._mark_nested is not None:
+                self._mark_nested(values)
+            trace = trace_once(
+                self._entry,
+                backend,
+                self._target,
+                args,
+                kwargs,
+                self._func.__qualname__,
+                self._recorder(args, kwargs, choice),
+                self._dynamic_state,
+                size_oblivious=self.config.dynamic_shapes == "backed_size_oblivious",
+            )
         self._mutated = _changed(versions, args, kwargs)
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
         self.startup_phases["trace"] = (
@@ -468,6 +544,9 @@ class CompiledModel:
         dynamic: dict[str, set[int]] = {}
         for name, dim in choice.dims:
             dynamic.setdefault(name, set()).add(dim)
+        self._marked_paths = {
+            path: frozenset(dynamic[name]) for path, name in names.items() if name in dynamic
+        }
         state = _compat.call_state()
 
         def read(
@@ -593,6 +672,8 @@ class CompiledModel:
             return fast(*args, **kwargs)
         if all(a.floor for a, _ in mismatches):
             return self._small_call(args, kwargs, self.marked_dims)
+        if self._only_fixed_sizes(mismatches):
+            return self._per_size_call(*args, **kwargs)
         changed = [
             a.expr
             for a, found in mismatches

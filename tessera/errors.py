@@ -23,6 +23,12 @@ class UnsupportedModelError(TesseraError):
     dynamo_error: BaseException | None = None
 
 
+class SizeFixedError(UnsupportedModelError):
+    """A dim traced as dynamic has a size the model's code fixes (Dynamo's constraint violation):
+    one graph cannot serve every size. ``tessera.compile`` then traces once per size, as
+    ``torch.compile`` recompiles, and raises this only where that is not possible."""
+
+
 class SizeNotCompiledError(TesseraError):
     """A call arrived with a dynamic size that no compiled artifact covers."""
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tessera import _compat
-from tessera.errors import ConfigError, TesseraError, UnsupportedModelError
+from tessera.errors import ConfigError, SizeFixedError, TesseraError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,11 @@ def trace_once(
         error.dynamo_error = e
         raise error from None
     except _compat.constraint_violation_error() as e:
-        raise ConfigError(f"a dim in dynamic_dims cannot be dynamic: the code fixes its size. {e}") from e
+        first = str(e).strip().splitlines()
+        raise SizeFixedError(
+            f"{name}: the code fixes the size of a dim traced as dynamic "
+            f"({first[0] if first else type(e).__name__})"
+        ) from e
     except Exception as e:
         # Our backend's own errors (a ConfigError about compile_sizes) reach the user as they are,
         # not wrapped in Dynamo's BackendCompilerFailed.

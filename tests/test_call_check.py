@@ -145,7 +145,9 @@ def adds(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_sizes_the_code_fixes_and_relations_between_sizes_are_checked(backend):
     looped = tessera.compile(loops_over_dim0, backend=backend)
     assert served_or_refused(looped, loops_over_dim0, torch.randn(3, 2)) == "served"
-    assert served_or_refused(looped, loops_over_dim0, torch.randn(5, 2)) == "refused"
+    # The code fixes the size: another size gets a trace of its own (as torch.compile recompiles).
+    with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
+        assert served_or_refused(looped, loops_over_dim0, torch.randn(5, 2)) == "served"
     added = tessera.compile(adds, backend=backend)
     assert served_or_refused(added, adds, torch.randn(4, 2), torch.randn(4, 2)) == "served"
     assert served_or_refused(added, adds, torch.randn(6, 2), torch.randn(6, 2)) == "served"
@@ -270,6 +272,73 @@ def test_a_size_under_dynamos_floor_of_two_gets_its_own_trace(backend):
         x = torch.randn(rows, 1, 3)
         torch.testing.assert_close(compiled(x), squeezes(x))
     assert tessera.counters.snapshot().get("graphs_traced", 0) == 2
+
+
+class LoopsOverRows(torch.nn.Module):
+    """Code that fixes the size of its dynamic dim: a Python loop over the rows (as Mamba's and
+    RWKV's CPU paths loop over the sequence). One graph cannot serve every size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros_like(x[0])
+        rows = []
+        for i in range(x.shape[0]):
+            state = self.scale(state) * 0.5 + x[i]
+            rows.append(state)
+        return torch.stack(rows)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_code_that_fixes_a_dynamic_size_is_traced_once_per_size(backend):
+    model = LoopsOverRows()  # grad enabled, parameters requiring grad: the call is refused...
+    x = torch.randn(4, 3)
+    with pytest.raises(tessera.GradientsNotSupportedError):
+        tessera.compile(model, backend=backend, disable_cache=True)(x)
+    model.requires_grad_(False)  # ...and served once nothing needs gradients
+    compiled = tessera.compile(model, backend=backend, disable_cache=True)
+    torch.testing.assert_close(compiled(x), model(x))  # a guessed dim: Dynamo keeps it static
+    with pytest.warns(tessera.TesseraWarning, match="fixes the size.*each size of x dim 0 on its own"):
+        torch.testing.assert_close(compiled(x[:3]), model(x[:3]))
+    for rows in (4, 6, 1, 6, 9, 4, 3):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(compiled(x), model(x), msg=f"{rows} rows")
+    assert not hasattr(x, "_dynamo_dynamic_indices"), (
+        "tessera's dim marks must not stay on the caller's tensor"
+    )
+    # One trace per distinct size (4, 3, 6, 1, 9); repeats are served by their own.
+    assert tessera.counters.snapshot()["graphs_traced"] == 5
+    assert compiled.eager_calls == 0
+    # Dims the user marked dynamic: Dynamo's trace fails on them, and each size is traced alone.
+    tessera.counters.reset()
+    marked = tessera.compile(model, backend=backend, disable_cache=True, dynamic_dims={"x": 0})
+    with pytest.warns(tessera.TesseraWarning, match="fixes the size of a dim traced as dynamic"):
+        torch.testing.assert_close(marked(x), model(x))
+    for rows in (5, 3, 5):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(marked(x), model(x), msg=f"{rows} rows")
+    assert tessera.counters.snapshot()["graphs_traced"] == 3  # the failed general trace, sizes 3 and 5
+
+
+def test_sizes_past_the_limit_of_per_size_traces_run_eagerly_with_one_warning(monkeypatch):
+    from tessera import api
+
+    monkeypatch.setattr(api, "MAX_SIZE_TRACES", 2)
+    model = LoopsOverRows().requires_grad_(False)
+    compiled = compile_eager(model, disable_cache=True)
+    compiled(torch.randn(2, 3))
+    with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
+        compiled(torch.randn(3, 3))
+    compiled(torch.randn(4, 3))
+    with pytest.warns(tessera.TesseraWarning, match="2 sizes of x dim 0 traced, the limit"):
+        x = torch.randn(5, 3)
+        torch.testing.assert_close(compiled(x), model(x))
+    x = torch.randn(7, 3)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.eager_calls == 2
+    assert tessera.counters.snapshot()["graphs_traced"] == 3, "the first call's, two sizes, then none"
 
 
 def cat_then_attention(x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,22 @@ def test_mark_unbacked_traces_size_one_without_specialising():
     assert seen["dims"]["t"][0] is not None
 
 
+def test_dim_marks_are_restored_as_they_were():
+    dynamo = _compat.dynamo()
+    fresh, marked = torch.randn(3, 4), torch.randn(3, 4)
+    dynamo.mark_dynamic(marked, 1)
+    before = {k: v for k, v in marked.__dict__.items()}
+    with _compat.dim_marks_restored([fresh, marked]):
+        dynamo.mark_dynamic(fresh, 0)
+        dynamo.maybe_mark_dynamic(marked, 0)
+        _compat.mark_unbacked(fresh, 1)
+        assert fresh.__dict__ and marked.__dict__ != before
+    assert fresh.__dict__ == {}, "every attribute the marks set is gone"
+    assert marked.__dict__ == before, "the caller's own marks are kept"
+    # Dynamo sees an unmarked tensor again: a stock compile traces it static, no guard failure.
+    torch.testing.assert_close(torch.compile(lambda t: t * 2, backend="eager")(fresh), fresh * 2)
+
+
 def test_trace_errors_and_constraint_violation_are_exception_types():
     errors = _compat.trace_errors()
     assert errors and all(issubclass(e, BaseException) for e in errors)
