@@ -205,6 +205,12 @@ def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
+def placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
+    """The fake value of each graph input (SymInts and tensors with symbolic sizes), from the
+    placeholders' ``example_value`` metadata (torch 2.11-2.15)."""
+    return [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+
+
 def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
     """Source name (``args[0]``) -> per dim of that graph input, the symbol Dynamo gave it (its
     expression as text), or None for a static dim.
@@ -299,6 +305,28 @@ def backend_failure(error: BaseException) -> BaseException | None:
     if type(error).__name__ != "BackendCompilerFailed":
         return None
     return getattr(error, "inner_exception", None) or error.__cause__
+
+
+def graph_compile_reason(gm: torch.fx.GraphModule) -> tuple[str, str, bool]:
+    """Why Dynamo ended the graph it hands a backend: (reason, where in the user's code, whether
+    it was a graph break). Where: the innermost frame outside torch, and torch's own frame after
+    it when the break is inside torch. Read from ``gm.compile_subgraph_reason`` (a
+    ``GraphCompileReason``; torch 2.11-2.15)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None:
+        return "", "", False
+    stack = list(getattr(reason, "user_stack", None) or ())
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    user = [f for f in stack if not f.filename.startswith(torch_dir)]
+    where = ""
+    if stack:
+        frame = user[-1] if user else stack[-1]
+        where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+        if frame is not stack[-1]:
+            inner = stack[-1]
+            where += f" (in torch: {os.path.basename(inner.filename)}:{inner.lineno} {inner.name})"
+    text = str(getattr(reason, "reason", "")).strip().splitlines()
+    return (text[0] if text else ""), where, bool(getattr(reason, "graph_break", False))
 
 
 def constraint_violation_error() -> type[BaseException]:

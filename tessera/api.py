@@ -32,9 +32,22 @@ from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
 from tessera.compilers import make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
-from tessera.errors import ConfigError, SizeFixedError, TesseraWarning, UntestedTorchWarning
+from tessera.errors import (
+    ConfigError,
+    SizeFixedError,
+    TesseraWarning,
+    UnsupportedModelError,
+    UntestedTorchWarning,
+)
 from tessera.piece import PieceRecord
-from tessera.report import CompileReport, build_report, counter_delta, save_report
+from tessera.report import (
+    CompileReport,
+    GraphReport,
+    build_report,
+    counter_delta,
+    merge_graph_reports,
+    save_report,
+)
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
@@ -145,6 +158,8 @@ class CompiledModel:
         self.eager_calls = 0  # calls run eagerly past MAX_SIZE_TRACES (code that fixes sizes)
         self._per_size = False  # the code fixes a dynamic dim's size: each size has its own trace
         self._marked_paths: dict[str, frozenset[int]] = {}  # args[i] / kwargs['k'] -> dims marked
+        # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
+        self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
         self._context: tuple[Any, Path | None, str, str | None, RemoteTier | None] = (
             None,
             None,
@@ -168,6 +183,7 @@ class CompiledModel:
         self._accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
         # Set by wrappers (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
         # the code fixes them), and a function marking dims of tensors nested in the arguments.
+        self._name: str | None = None  # a small-size or per-size child: its parent's name and size
         self._soft_dims = False
         self._mark_nested: Callable[[dict[str, Any]], None] | None = None
         if RECORDER is not None:
@@ -197,7 +213,7 @@ class CompiledModel:
 
     @property
     def name(self) -> str:
-        return self.prefix or self._func.__qualname__
+        return self._name or self.prefix or self._func.__qualname__
 
     @property
     def pieces(self) -> tuple[PieceRecord, ...]:
@@ -207,17 +223,26 @@ class CompiledModel:
     @property
     def cache_dir(self) -> Path | None:
         """Where this model's artifacts live; None when the cache is disabled or not yet used."""
-        backend = self._backend
+        backend = self._graphs[0][1] if self._graphs else self._backend
         return backend.store.path if backend is not None and backend.store is not None else None
 
     @property
     def report(self) -> CompileReport | None:
-        """What the first call compiled or loaded, from where, at what cost (None before it)."""
+        """What the first call compiled or loaded, from where, at what cost (None before it).
+        Until a call has a size the general trace can come from, the first small-size trace's."""
         if self.first_call_seconds is None:
-            return None
+            children = [c.report for c in tuple(self._small.values())]
+            return next((r for r in children if r is not None), None)
         return self._make_report()
 
     def _make_report(self) -> CompileReport:
+        if self._graphs:  # the guarded path: one report of every graph's pieces
+            return merge_graph_reports(
+                [build_report(self.name, self.config, b, {}, self._counters, 0.0) for _, b in self._graphs],
+                tuple(r for r, _ in self._graphs),
+                dict(self.startup_phases),
+                self.first_call_seconds or 0.0,
+            )
         return build_report(
             self.name,
             self.config,
@@ -383,6 +408,10 @@ class CompiledModel:
             return self._trace(args, kwargs, values, choice), self._call
         except SizeFixedError as e:
             return self._start_per_size(args, kwargs, e)
+        except UnsupportedModelError as e:
+            if self.config.fullgraph or e.dynamo_error is None:
+                raise
+            return self._start_guarded(args, kwargs, values, choice, e)
 
     def _choose(self, values: dict[str, Any]) -> DynamicChoice:
         wanted = self._dynamic_dims
@@ -424,8 +453,59 @@ class CompiledModel:
                 child = CompiledModel(self._target, self.config, self._dynamic_dims, prefix, None)
                 child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
                 child._soft_dims, child._mark_nested = self._soft_dims, self._mark_nested
+                child._name = f"{self.name} (size {label})"
                 self._small[small] = child
         return child(*args, **kwargs)
+
+    def _start_guarded(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        values: dict[str, Any],
+        choice: DynamicChoice,
+        error: UnsupportedModelError,
+    ) -> tuple[Any, Callable[..., Any]]:
+        """Dynamo cannot trace the model as one graph (a graph break): run it as torch.compile
+        would, with Dynamo's guards and re-compiles, each graph split, compiled per size and
+        cached by tessera (dynamo_backend.py). Said once, naming every break and its line."""
+        from tessera.dynamo_backend import GraphCompiler
+
+        def on_graph(record: GraphReport, backend: PiecewiseBackend) -> None:
+            self._graphs.append((record, backend))
+
+        compiler = GraphCompiler(self.config, self.prefix or "model", on_graph)
+        # A frame of our own: Dynamo's cache and guards for it are this model's alone.
+        compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
+        target, module = self._target, self._module
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled():  # as the one-graph path: refused, or run as inference
+                self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
+                with torch.no_grad():
+                    return compiled(target, *args, **kwargs)
+            return compiled(target, *args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if module is not None and hooks.active(module):
+                return hooks.call_with_hooks(module, run, args, kwargs)
+            return run(*args, **kwargs)
+
+        marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        start = time.perf_counter()
+        with _compat.dim_marks_restored(marked):
+            mark_dynamic(values, DynamicChoice(choice.dims, True))  # "maybe": Dynamo may keep one static
+            output = run(*args, **kwargs)
+        self.startup_phases["trace_and_compile"] = time.perf_counter() - start
+        breaks = [f"{r.source}: {r.reason}" for r, _ in self._graphs if r.graph_break]
+        warnings.warn(
+            f"{self.name} has graph breaks, so tessera runs it as torch.compile would: "
+            f"{len(self._graphs)} graph(s), each compiled and cached by tessera, Dynamo's guards kept. "
+            f"Breaks: {'; '.join(breaks) or error}. Remove them for one graph "
+            "without guards, or pass fullgraph=True to refuse such models",
+            TesseraWarning,
+            stacklevel=4,
+        )
+        return output, call
 
     def _start_per_size(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], error: SizeFixedError

@@ -95,6 +95,10 @@ class CompileConfig:
         )
     )
     graph_partition: bool = False  # one graph to Inductor, partitioned by Inductor (torch >= 2.9)
+    # A model Dynamo cannot trace as one graph (graph breaks): False runs it as torch.compile
+    # would, each graph compiled and cached by tessera, Dynamo's guards kept (warned once);
+    # True refuses it with UnsupportedModelError.
+    fullgraph: bool = False
     debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
     cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
 
@@ -108,6 +112,7 @@ class CompileConfig:
         v.check_bool("check_inputs", self.check_inputs)
         v.check_choice("dynamic_shapes", self.dynamic_shapes, DYNAMIC_SHAPES)
         v.check_bool("graph_partition", self.graph_partition)
+        v.check_bool("fullgraph", self.fullgraph)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),

@@ -32,6 +32,20 @@ class ArtifactReport:
 
 
 @dataclass(frozen=True)
+class GraphReport:
+    """One graph Dynamo handed to tessera on the guarded path (graph breaks, torch.compile):
+    where and why Dynamo ended it, and what tessera made of it."""
+
+    index: int  # in the order compiled in this process
+    reason: str  # why Dynamo ended the graph: the graph break's cause, or how the frame returned
+    source: str  # "file.py:12 in forward": the break's user line ("" when Dynamo names none)
+    graph_break: bool  # False: the graph ran to the end of its frame
+    nodes: int
+    pieces: int
+    cache_entry: str | None
+
+
+@dataclass(frozen=True)
 class CompileReport:
     """Cold or warm, seconds per phase, every artifact, this model's counters, the cache entry."""
 
@@ -47,6 +61,7 @@ class CompileReport:
     cache_entry: str | None
     whole_model_artifact: str  # "loaded", "written", or why neither
     total_seconds: float
+    graphs: tuple[GraphReport, ...] = ()  # the guarded path (graph breaks): each graph Dynamo made
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -64,9 +79,11 @@ class CompileReport:
         compiled = sum(a.source == "compiled" for a in self.artifacts)
         loaded = sum(a.source == "loaded" for a in self.artifacts)
         shared = sum(a.source == "shared" for a in self.artifacts)
+        breaks = sum(g.graph_break for g in self.graphs)
+        graphs = f"{len(self.graphs)} graphs ({breaks} graph breaks), " if self.graphs else ""
         return (
-            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s "
-            f"({self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
+            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s ({graphs}"
+            f"{self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
             f"artifacts: {compiled} compiled, {shared} shared, {loaded} loaded; "
             f"whole-model artifact {self.whole_model_artifact}; cache {self.cache_entry or 'disabled'})"
         )
@@ -123,6 +140,32 @@ def build_report(
         cache_entry=str(store.path) if store is not None else None,
         whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
         total_seconds=total_seconds,
+    )
+
+
+def merge_graph_reports(
+    reports: list[CompileReport],
+    graphs: tuple[GraphReport, ...],
+    phases: dict[str, float],
+    total_seconds: float,
+) -> CompileReport:
+    """One model's record on the guarded path: the reports of its graphs' backends, together."""
+    first = reports[0]
+    return dataclasses.replace(
+        first,
+        # Dynamo traces in every process here: cold means something was compiled.
+        kind="cold" if any(a.source == "compiled" for r in reports for a in r.artifacts) else "warm",
+        phases=tuple(phases.items()),
+        artifacts=tuple(
+            dataclasses.replace(a, piece=f"graph {g.index}: {a.piece}")
+            for r, g in zip(reports, graphs, strict=True)
+            for a in r.artifacts
+        ),
+        pieces=sum(r.pieces for r in reports),
+        compiled_pieces=sum(r.compiled_pieces for r in reports),
+        whole_model_artifact="not used with graph breaks (Dynamo traces in every process)",
+        total_seconds=total_seconds,
+        graphs=graphs,
     )
 
 

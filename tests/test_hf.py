@@ -103,6 +103,24 @@ def test_greedy_generation_matches_eager_token_for_token(family, backend):
     assert prefill.cache_dir.parents[2] == decode.cache_dir.parents[2]  # one cache root
 
 
+def test_a_family_with_graph_breaks_runs_guarded_equal_to_eager_and_names_its_breaks():
+    """CTRL registers a buffer in forward: torch.compile(fullgraph=True) cannot trace it,
+    torch.compile can, and so does tessera.compile (each graph compiled and cached by tessera)."""
+    from tessera.cli.bench.hf_sweep import _build
+
+    model, _ = _build("ctrl")
+    model.requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager", dynamic_dims={"input_ids": 1})
+    with pytest.warns(tessera.TesseraWarning, match=r"graph breaks.*modeling_ctrl\.py:\d+ in forward"):
+        for n in (5, 9, 16, 9):
+            ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(n))
+            expected = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(compiled(input_ids=ids, use_cache=False).logits, expected)
+    report = compiled.report
+    assert report is not None
+    assert any(g.graph_break and "modeling_ctrl.py" in g.source for g in report.graphs)
+
+
 def test_data_dependent_branch_names_cause_and_source_line():
     class Branchy(torch.nn.Module):
         def forward(self, input_ids):
@@ -111,7 +129,7 @@ def test_data_dependent_branch_names_cause_and_source_line():
                 return x + 1
             return x - 1
 
-    compiled = tessera.compile(Branchy(), backend="eager")
+    compiled = tessera.compile(Branchy(), backend="eager", fullgraph=True)
     with pytest.raises(tessera.UnsupportedModelError) as caught:
         compiled(torch.ones(2, 4, dtype=torch.long))
     message = str(caught.value)

@@ -121,12 +121,12 @@ def test_dynamic_dims_errors_name_the_problem():
         tessera.compile(model, backend="eager", dynamic_dims={"input_ids": 2})(*toy_llama.example_inputs(3))
 
 
-def test_graph_break_is_an_unsupported_model_error():
+def test_graph_break_with_fullgraph_is_an_unsupported_model_error():
     def breaks(x: torch.Tensor) -> torch.Tensor:
         print("side effect")  # noqa: T201
         return x + 1
 
-    compiled = tessera.compile(breaks, backend="eager")
+    compiled = tessera.compile(breaks, backend="eager", fullgraph=True)
     with pytest.raises(tessera.UnsupportedModelError, match="cannot be traced as one graph"):
         compiled(torch.ones(3))
 

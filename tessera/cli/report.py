@@ -83,6 +83,14 @@ def render(report: dict[str, Any], cold: dict[str, Any] | None = None) -> None:
         "total", "", "", f"{total:.3f}", human_bytes(sum(a["bytes"] for a in report["artifacts"])), ""
     )
     console.print(table)
+    if report.get("graphs"):
+        graphs = Table(title="graphs (Dynamo's guards kept: the model has graph breaks)")
+        for column in ("graph", "ends", "where", "nodes", "pieces"):
+            graphs.add_column(column)
+        for g in report["graphs"]:
+            ends = f"graph break: {g['reason']}" if g["graph_break"] else f"frame ends ({g['reason']})"
+            graphs.add_row(str(g["index"]), ends, g["source"], str(g["nodes"]), str(g["pieces"]))
+        console.print(graphs)
     if report["counters"]:
         console.print("counters: " + ", ".join(f"{k}={v}" for k, v in report["counters"].items()))
 

@@ -1,0 +1,61 @@
+"""tessera.compile on models Dynamo cannot trace as one graph: run as torch.compile would, with
+every graph cut, compiled per size and cached by tessera; the breaks named once, and in the report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tessera
+from tests.child import run_json
+from tests.run_torch_compile import Attention
+
+
+class Breaks(Attention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if y.mean() > 0:  # data-dependent branch: a graph break
+            y = y.relu()
+        print("logged")  # noqa: T201  (a side effect Dynamo cannot put in a graph: another break)
+        return torch.ops.silly.attention(y, y, y) * 2
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_a_model_with_graph_breaks_equals_eager_and_its_breaks_are_named(backend, capsys):
+    model = Breaks().eval().requires_grad_(False)  # grad stays enabled, as in a user's process
+    compiled = tessera.compile(model, backend=backend, dynamic_dims={"x": 1}, compile_sizes=[8])
+    x = torch.randn(2, 5, 16)
+    with pytest.warns(tessera.TesseraWarning, match=r"graph breaks.*test_graph_breaks\.py:17 in forward"):
+        torch.testing.assert_close(compiled(x), model(x))
+    for seq, sign in ((8, 1), (9, -1), (1, 1), (5, -1), (16, 1)):
+        x = torch.randn(2, seq, 16) * sign
+        torch.testing.assert_close(compiled(x), model(x), msg=f"sequence {seq}")
+    assert capsys.readouterr().out.count("logged") == 12, "the print runs on every call, as in eager"
+    report = compiled.report
+    assert report is not None and report.graphs
+    lines = {g.source.rsplit("/", 1)[-1] for g in report.graphs if g.graph_break}
+    assert lines == {"test_graph_breaks.py:17 in forward", "test_graph_breaks.py:19 in forward"}
+    assert "graph breaks" in report.summary() and report.as_dict()["graphs"]
+    assert all(a.piece.startswith("graph ") for a in report.artifacts)
+    assert compiled.cache_dir is not None and compiled.cache_dir.is_dir()
+    # Still an inference compile: a call whose result needs gradients is refused.
+    with pytest.raises(tessera.GradientsNotSupportedError):
+        compiled(torch.randn(2, 5, 16, requires_grad=True))
+
+
+def test_fullgraph_true_refuses_a_model_with_graph_breaks():
+    compiled = tessera.compile(Breaks().requires_grad_(False), backend="eager", fullgraph=True)
+    with pytest.raises(tessera.UnsupportedModelError, match=r"test_graph_breaks\.py:17"):
+        compiled(torch.randn(2, 5, 16))
+
+
+@pytest.mark.inductor
+def test_a_warm_process_compiles_nothing_on_the_guarded_path(tmp_path):
+    cold = run_json("tests.run_torch_compile", "inductor", "--tessera-compile", cache=tmp_path / "cache")
+    warm = run_json("tests.run_torch_compile", "inductor", "--tessera-compile", cache=tmp_path / "cache")
+    assert max(cold["Branches"], warm["Branches"]) < 1e-5  # assert_close passed in both
+    assert cold["counters"]["inductor_compiles"] > 0
+    assert warm["counters"]["inductor_compiles"] == 0
+    guarded = warm["reports"][1]
+    assert guarded["kind"] == "warm" and any(g["graph_break"] for g in guarded["graphs"])
+    assert all(a["source"] == "loaded" for a in guarded["artifacts"])
