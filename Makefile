@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: tessera's own install must then leave it as it is.
 	$(PY) -m pip install -q "$(TORCH_SPEC)" || $(PY) -m pip install -q "torch>=2.11"
-	$(PY) -m pip install -q -e ".[dev,hf,debug,remote]"
+	$(PY) -m pip install -q -e ".[dev,hf,debug,remote,diffusers]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -132,7 +132,7 @@ class CompiledModel:
     ) -> None:
         self.model = model
         self._on_compiled = on_compiled
-        self.config = config
+        self.compile_config = config  # tessera's; `.config` reads the model's (a diffusers pipeline does)
         self.prefix = prefix
         self._func, self._bound_to = split_callable(model)
         self._module = model if isinstance(model, torch.nn.Module) else None
@@ -189,6 +189,14 @@ class CompiledModel:
         if RECORDER is not None:
             RECORDER.append(self)
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names CompiledModel lacks: the model's own (``unet.config``,
+        # ``.dtype``, ``.device``), as code that held the model reads them (a diffusers pipeline).
+        model = self.__dict__.get("model")
+        if model is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(model, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             # Dynamo is tracing this call: the model is called inside a torch.compile'd function,
@@ -238,14 +246,17 @@ class CompiledModel:
     def _make_report(self) -> CompileReport:
         if self._graphs:  # the guarded path: one report of every graph's pieces
             return merge_graph_reports(
-                [build_report(self.name, self.config, b, {}, self._counters, 0.0) for _, b in self._graphs],
+                [
+                    build_report(self.name, self.compile_config, b, {}, self._counters, 0.0)
+                    for _, b in self._graphs
+                ],
                 tuple(r for r, _ in self._graphs),
                 dict(self.startup_phases),
                 self.first_call_seconds or 0.0,
             )
         return build_report(
             self.name,
-            self.config,
+            self.compile_config,
             self._backend,
             dict(self.startup_phases),
             self._counters,
@@ -297,7 +308,7 @@ class CompiledModel:
                 return self._call(*args, **kwargs)
             module = self._module
             # The trace sees what the pre-hooks make of the call (stock and none: torch runs them).
-            traced = self.config.mode in ("trace_once", "piecewise")
+            traced = self.compile_config.mode in ("trace_once", "piecewise")
             if module is not None and traced and hooks.active(module):
                 return hooks.call_with_hooks(module, self._compile_first, args, kwargs)
             return self._compile_first(*args, **kwargs)
@@ -331,7 +342,7 @@ class CompiledModel:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Callable[..., Any] | None]:
         """The first call's output and the callable for later calls (None: compile deferred)."""
-        mode = self.config.mode
+        mode = self.compile_config.mode
         if mode == "none":
             return self.model(*args, **kwargs), self.model
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
@@ -345,11 +356,11 @@ class CompiledModel:
                 return self._compile(args, kwargs)
         if mode == "stock":
             mark_dynamic(values, choice)
-            compiled = torch.compile(self.model, backend=stock_backend(self.config.backend))
+            compiled = torch.compile(self.model, backend=stock_backend(self.compile_config.backend))
             return compiled(*args, **kwargs), compiled
-        compiler = make_compiler(self.config.backend)
-        root = None if self.config.disable_cache else cache_root(self.config.cache_dir)
-        remote = remote_tier(self.config.cache_remote) if root is not None else None
+        compiler = make_compiler(self.compile_config.backend)
+        root = None if self.compile_config.disable_cache else cache_root(self.compile_config.cache_dir)
+        remote = remote_tier(self.compile_config.cache_remote) if root is not None else None
         prefix = self.prefix or "model"
         print_ = None
         if root is not None:
@@ -359,7 +370,7 @@ class CompiledModel:
                 self._bound_to,
                 values,
                 choice.dims,
-                self.config,
+                self.compile_config,
                 warm_hash(compiler),
                 prefix,
                 rank_dir(),
@@ -369,7 +380,7 @@ class CompiledModel:
                 fetch_pointer(remote, root, print_)
             try:
                 backend, call, spec = PiecewiseBackend.from_artifact(
-                    self.config, compiler, root, prefix, print_, self._entry
+                    self.compile_config, compiler, root, prefix, print_, self._entry
                 )
                 args, kwargs = self._fits(spec, args, kwargs)
             except WarmStartUnavailable as e:
@@ -389,7 +400,7 @@ class CompiledModel:
                 self.startup_phases["first_call"] = time.perf_counter() - start
                 return output, self._call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
-        if degenerate and self.config.dynamic_shapes != "unbacked":
+        if degenerate and self.compile_config.dynamic_shapes != "unbacked":
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
             # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
             # This call is served by a trace for its small size (as Dynamo would recompile); the
@@ -409,7 +420,7 @@ class CompiledModel:
         except SizeFixedError as e:
             return self._start_per_size(args, kwargs, e)
         except UnsupportedModelError as e:
-            if self.config.fullgraph or e.dynamo_error is None:
+            if self.compile_config.fullgraph or e.dynamo_error is None:
                 raise
             return self._start_guarded(args, kwargs, values, choice, e)
 
@@ -450,7 +461,7 @@ class CompiledModel:
                 log.info("%s: compiling for the size(s) %s alone", self.name, label)
                 prefix = f"{self.prefix or 'model'}-{'size' if every_size else 'small'}-{label}"
                 # The forward itself (a wrapper may stand in model.forward by now).
-                child = CompiledModel(self._target, self.config, self._dynamic_dims, prefix, None)
+                child = CompiledModel(self._target, self.compile_config, self._dynamic_dims, prefix, None)
                 child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
                 child._soft_dims, child._mark_nested = self._soft_dims, self._mark_nested
                 child._name = f"{self.name} (size {label})"
@@ -473,7 +484,7 @@ class CompiledModel:
         def on_graph(record: GraphReport, backend: PiecewiseBackend) -> None:
             self._graphs.append((record, backend))
 
-        compiler = GraphCompiler(self.config, self.prefix or "model", on_graph)
+        compiler = GraphCompiler(self.compile_config, self.prefix or "model", on_graph)
         # A frame of our own: Dynamo's cache and guards for it are this model's alone.
         compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
         target, module = self._target, self._module
@@ -576,12 +587,12 @@ class CompiledModel:
     ) -> Any:
         """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
         compiler, root, prefix, print_, remote = self._context
-        backend = PiecewiseBackend(self.config, compiler, root, prefix, remote)
+        backend = PiecewiseBackend(self.compile_config, compiler, root, prefix, remote)
         start = time.perf_counter()
         versions = _versions(args, kwargs)
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
         with _compat.dim_marks_restored(marked):
-            mark_dynamic(values, choice, self.config.dynamic_shapes)
+            mark_dynamic(values, choice, self.compile_config.dynamic_shapes)
             if self._mark_nested is not None:
                 self._mark_nested(values)
             trace = trace_once(
@@ -593,7 +604,7 @@ class CompiledModel:
                 self._func.__qualname__,
                 self._recorder(args, kwargs, choice),
                 self._dynamic_state,
-                size_oblivious=self.config.dynamic_shapes == "backed_size_oblivious",
+                size_oblivious=self.compile_config.dynamic_shapes == "backed_size_oblivious",
             )
         self._mutated = _changed(versions, args, kwargs)
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
@@ -688,11 +699,11 @@ class CompiledModel:
         self._tensors = guards.tensor_reader(spec, self._bound)
         call = (
             guards.make_checked_call(spec, fast, self._slow_call, self._bound)
-            if self.config.check_inputs
+            if self.compile_config.check_inputs
             else fast
         )
         self._checked = call
-        self._accepts = guards.make_predicate(spec, self._bound) if self.config.check_inputs else None
+        self._accepts = guards.make_predicate(spec, self._bound) if self.compile_config.check_inputs else None
         module = self._module
         if module is not None:
             checked = call

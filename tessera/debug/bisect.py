@@ -77,12 +77,14 @@ def bisect(
         if compiled.split_graph is None or compiled.trace_code is None:
             # The same split, traced with the eager compiler (graph partition: one piece).
             config = dataclasses.replace(
-                compiled.config,
+                compiled.compile_config,
                 backend="eager",
                 disable_cache=True,
                 passes=(),
                 graph_partition=False,
-                mode="trace_once" if compiled.config.graph_partition else compiled.config.mode,
+                mode="trace_once"
+                if compiled.compile_config.graph_partition
+                else compiled.compile_config.mode,
             )
             reference = tessera.compile(model, config, dynamic_dims=compiled.dynamic_dims)
             reference(*args, **kwargs)
