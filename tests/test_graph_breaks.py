@@ -3,6 +3,11 @@ every graph cut, compiled per size and cached by tessera; the breaks named once,
 
 from __future__ import annotations
 
+import inspect
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -20,12 +25,22 @@ class Breaks(Attention):
         return torch.ops.silly.attention(y, y, y) * 2
 
 
+def line_of(text: str) -> int:
+    lines, first = inspect.getsourcelines(Breaks.forward)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+BRANCH, PRINT = line_of("if y.mean()"), line_of("print(")
+
+
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_a_model_with_graph_breaks_equals_eager_and_its_breaks_are_named(backend, capsys):
     model = Breaks().eval().requires_grad_(False)  # grad stays enabled, as in a user's process
     compiled = tessera.compile(model, backend=backend, dynamic_dims={"x": 1}, compile_sizes=[8])
     x = torch.randn(2, 5, 16)
-    with pytest.warns(tessera.TesseraWarning, match=r"graph breaks.*test_graph_breaks\.py:17 in forward"):
+    with pytest.warns(
+        tessera.TesseraWarning, match=rf"graph breaks.*test_graph_breaks\.py:{BRANCH} in forward"
+    ):
         torch.testing.assert_close(compiled(x), model(x))
     for seq, sign in ((8, 1), (9, -1), (1, 1), (5, -1), (16, 1)):
         x = torch.randn(2, seq, 16) * sign
@@ -34,10 +49,19 @@ def test_a_model_with_graph_breaks_equals_eager_and_its_breaks_are_named(backend
     report = compiled.report
     assert report is not None and report.graphs
     lines = {g.source.rsplit("/", 1)[-1] for g in report.graphs if g.graph_break}
-    assert lines == {"test_graph_breaks.py:17 in forward", "test_graph_breaks.py:19 in forward"}
+    assert lines == {f"test_graph_breaks.py:{BRANCH} in forward", f"test_graph_breaks.py:{PRINT} in forward"}
     assert "graph breaks" in report.summary() and report.as_dict()["graphs"]
     assert all(a.piece.startswith("graph ") for a in report.artifacts)
     assert compiled.cache_dir is not None and compiled.cache_dir.is_dir()
+    # `tessera report` on the entry shows each graph, its break and line.
+    shown = subprocess.run(
+        [sys.executable, "-m", "tessera", "report", str(compiled.cache_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    assert "graph break" in shown and f"test_graph_breaks.py:{BRANCH}" in shown, shown
     # Still an inference compile: a call whose result needs gradients is refused.
     with pytest.raises(tessera.GradientsNotSupportedError):
         compiled(torch.randn(2, 5, 16, requires_grad=True))
@@ -45,7 +69,7 @@ def test_a_model_with_graph_breaks_equals_eager_and_its_breaks_are_named(backend
 
 def test_fullgraph_true_refuses_a_model_with_graph_breaks():
     compiled = tessera.compile(Breaks().requires_grad_(False), backend="eager", fullgraph=True)
-    with pytest.raises(tessera.UnsupportedModelError, match=r"test_graph_breaks\.py:17"):
+    with pytest.raises(tessera.UnsupportedModelError, match=rf"test_graph_breaks\.py:{BRANCH}"):
         compiled(torch.randn(2, 5, 16))
 
 
