@@ -26,6 +26,7 @@ import torch
 
 from tessera import _compat, counters, dynamo_guards, guards, hooks, validation
 from tessera.backend import PiecewiseBackend
+from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
@@ -363,6 +364,7 @@ class CompiledModel:
         remote = remote_tier(self.compile_config.cache_remote) if root is not None else None
         prefix = self.prefix or "model"
         print_ = None
+        known_path: model_artifact.OtherPath | None = None
         if root is not None:
             start = time.perf_counter()
             print_ = fingerprint(
@@ -383,6 +385,9 @@ class CompiledModel:
                     self.compile_config, compiler, root, prefix, print_, self._entry
                 )
                 args, kwargs = self._fits(spec, args, kwargs)
+            except model_artifact.OtherPath as e:
+                known_path = e  # graph breaks or sizes the code fixes: no one-graph trace to try
+                self.warm_start_refused = str(e)
             except WarmStartUnavailable as e:
                 self.warm_start_refused = str(e)
                 log.info("%s: no start from the whole-model artifact (%s); tracing once", self.name, e)
@@ -415,14 +420,31 @@ class CompiledModel:
             self._deferred += 1
             return self._small_call(args, kwargs, choice.dims), None
         self._context = (compiler, root, prefix, print_, remote)
+        if known_path is not None:
+            log.info("%s: %s (recorded by an earlier process)", self.name, known_path)
+            if known_path.path == "guarded":
+                return self._start_guarded(args, kwargs, values, choice, known_path.reason)
+            return self._start_per_size(args, kwargs, known_path.reason)
         try:
             return self._trace(args, kwargs, values, choice), self._call
         except SizeFixedError as e:
-            return self._start_per_size(args, kwargs, e)
+            self._record_path("per_size", str(e))
+            return self._start_per_size(args, kwargs, str(e))
         except UnsupportedModelError as e:
             if self.compile_config.fullgraph or e.dynamo_error is None:
                 raise
-            return self._start_guarded(args, kwargs, values, choice, e)
+            self._record_path("guarded", str(e))
+            return self._start_guarded(args, kwargs, values, choice, str(e))
+
+    def _record_path(self, path: str, reason: str) -> None:
+        """Tell the next process which path this model takes (no one-graph trace to fail again)."""
+        _, root, _, print_, _ = self._context
+        if root is None or print_ is None:
+            return
+        try:
+            model_artifact.write_path(root, print_, path, reason)
+        except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
+            log.debug("%s: path not recorded (%s)", self.name, e)
 
     def _choose(self, values: dict[str, Any]) -> DynamicChoice:
         wanted = self._dynamic_dims
@@ -474,7 +496,7 @@ class CompiledModel:
         kwargs: dict[str, Any],
         values: dict[str, Any],
         choice: DynamicChoice,
-        error: UnsupportedModelError,
+        reason: str,
     ) -> tuple[Any, Callable[..., Any]]:
         """Dynamo cannot trace the model as one graph (a graph break): run it as torch.compile
         would, with Dynamo's guards and re-compiles, each graph split, compiled per size and
@@ -511,7 +533,7 @@ class CompiledModel:
         warnings.warn(
             f"{self.name} has graph breaks, so tessera runs it as torch.compile would: "
             f"{len(self._graphs)} graph(s), each compiled and cached by tessera, Dynamo's guards kept. "
-            f"Breaks: {'; '.join(breaks) or error}. Remove them for one graph "
+            f"Breaks: {'; '.join(breaks) or reason}. Remove them for one graph "
             "without guards, or pass fullgraph=True to refuse such models",
             TesseraWarning,
             stacklevel=4,
@@ -519,7 +541,7 @@ class CompiledModel:
         return output, call
 
     def _start_per_size(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], error: SizeFixedError
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
     ) -> tuple[Any, Callable[..., Any]]:
         """The code fixes the size of a dim marked dynamic (``x.view(1, 16, ...)``, a Python loop
         over the sequence), so the trace failed: every size is served by a trace of its own."""
@@ -531,7 +553,7 @@ class CompiledModel:
                 return hooks.call_with_hooks(module, self._per_size_call, args, kwargs)
             return self._per_size_call(*args, **kwargs)
 
-        return self._per_size_call(*args, _reason=str(error), **kwargs), call
+        return self._per_size_call(*args, _reason=reason, **kwargs), call
 
     def _dims_label(self) -> str:
         return ", ".join(f"{name} dim {dim}" for name, dim in self.marked_dims) or "the arguments"

@@ -322,6 +322,21 @@ def test_code_that_fixes_a_dynamic_size_is_traced_once_per_size(backend):
     assert tessera.counters.snapshot()["graphs_traced"] == 3  # the failed general trace, sizes 3 and 5
 
 
+def test_the_per_size_path_is_recorded_so_the_next_start_skips_the_failing_trace():
+    model = LoopsOverRows().requires_grad_(False)
+    x = torch.randn(5, 3)
+    for attempt in ("first", "next"):
+        torch._dynamo.reset()
+        tessera.counters.reset()
+        compiled = compile_eager(model, dynamic_dims={"x": 0})
+        with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
+            torch.testing.assert_close(compiled(x), model(x))
+        traced = tessera.counters.snapshot()["graphs_traced"]
+        # The first start fails the general trace, then traces size 5; the next loads size 5.
+        assert traced == (2 if attempt == "first" else 0), attempt
+    assert compiled.warm_start_refused is not None and "per_size path" in compiled.warm_start_refused
+
+
 def test_sizes_past_the_limit_of_per_size_traces_run_eagerly_with_one_warning(monkeypatch):
     from tessera import api
 

@@ -21,6 +21,7 @@ class Breaks(Attention):
         y = super().forward(x)
         if y.mean() > 0:  # data-dependent branch: a graph break
             y = y.relu()
+        y = y + 1  # work before the print on both branches: a graph that ends at the print
         print("logged")  # noqa: T201  (a side effect Dynamo cannot put in a graph: another break)
         return torch.ops.silly.attention(y, y, y) * 2
 
@@ -62,6 +63,11 @@ def test_a_model_with_graph_breaks_equals_eager_and_its_breaks_are_named(backend
         env={**os.environ, "COLUMNS": "200"},
     ).stdout
     assert "graph break" in shown and f"test_graph_breaks.py:{BRANCH}" in shown, shown
+    # The next start goes to the guarded path at once: no one-graph trace to fail again.
+    again = tessera.compile(model, backend=backend, dynamic_dims={"x": 1}, compile_sizes=[8])
+    with pytest.warns(tessera.TesseraWarning, match="graph breaks"):
+        torch.testing.assert_close(again(x), model(x))
+    assert again.warm_start_refused is not None and "guarded path" in again.warm_start_refused
     # Still an inference compile: a call whose result needs gradients is refused.
     with pytest.raises(tessera.GradientsNotSupportedError):
         compiled(torch.randn(2, 5, 16, requires_grad=True))

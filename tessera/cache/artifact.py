@@ -274,11 +274,32 @@ def write_pointer(root: Path, fingerprint: str, entry_path: Path) -> None:
     atomic_write(pointer_path(root, fingerprint), json.dumps({"entry": relative}).encode())
 
 
+class OtherPath(WarmStartUnavailable):
+    """This fingerprint's model runs on a path without a whole-model artifact: ``"guarded"``
+    (graph breaks) or ``"per_size"`` (the code fixes a dynamic size). Recorded so that the next
+    process goes there at once instead of failing the one-graph trace again."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"the model runs on the {path} path: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+PATHS = ("guarded", "per_size")
+
+
+def write_path(root: Path, fingerprint: str, path: str, reason: str) -> None:
+    """Record that this fingerprint's model runs on ``path`` (one of PATHS), and why."""
+    atomic_write(pointer_path(root, fingerprint), json.dumps({"path": path, "reason": reason}).encode())
+
+
 def read_pointer(root: Path, fingerprint: str) -> Path | None:
     """The entry a fingerprint leads to; None if there is none (or it was removed)."""
     path = pointer_path(root, fingerprint)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(data, dict) and data.get("path") in PATHS:
+            raise OtherPath(data["path"], str(data.get("reason", "")))
         relative = Path(data["entry"])
     except (FileNotFoundError, NotADirectoryError):
         return None
