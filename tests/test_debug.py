@@ -157,7 +157,7 @@ def _expect_dumps(folder: Path, pieces: int) -> None:
 
 
 @pytest.mark.inductor
-def test_debug_dumps_for_the_toy_llama_and_a_hugging_face_model(tmp_path):
+def test_debug_dumps_for_the_toy_llama_and_a_hugging_face_model(tmp_path, monkeypatch):
     model = toy_llama.build(num_layers=2)
     compiled = tessera.compile(model, backend="inductor", prefix="toy", debug_dump_dir=str(tmp_path / "dump"))
     with torch.no_grad():
@@ -166,20 +166,16 @@ def test_debug_dumps_for_the_toy_llama_and_a_hugging_face_model(tmp_path):
     assert (
         "def call(" in next((tmp_path / "dump" / "toy" / "pieces").glob("*.py")).read_text()
     )  # Inductor's code
-    pytest.importorskip("transformers")
     from tests.test_hf import build
 
     hf_model, _ = build("llama")
+    # The dump directory from the environment, read when the config is made.
+    monkeypatch.setenv("TESSERA_DEBUG_DUMP", str(tmp_path / "env-dump"))
     hf_compiled = tessera.compile(hf_model, backend="inductor", prefix="llama", dynamic_dims={"input_ids": 1})
-    os.environ["TESSERA_DEBUG_DUMP"] = str(tmp_path / "env-dump")
-    try:
-        hf_compiled = tessera.compile(
-            hf_model, backend="inductor", prefix="llama", dynamic_dims={"input_ids": 1}
-        )
-        with torch.no_grad():
-            hf_compiled(input_ids=torch.randint(0, 128, (1, 7)), use_cache=False)
-    finally:
-        del os.environ["TESSERA_DEBUG_DUMP"]
+    ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(hf_compiled(input_ids=ids, use_cache=False).logits, expected)
     _expect_dumps(tmp_path / "env-dump" / "llama", pieces=3)
 
 

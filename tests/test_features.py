@@ -14,7 +14,6 @@ from tessera.config import SizeRange
 from tessera.models import toy_llama
 from tessera.passes import DeduplicatePass, compiling_size
 from tessera.report import CompileReport
-from tests.conftest import silly_model
 
 
 def run_toy(compiled, model, sizes):
@@ -148,7 +147,6 @@ def test_graph_partition_matches_eager_cold_and_warm():
 
 @pytest.mark.inductor
 def test_graph_partition_on_a_hugging_face_model():
-    transformers = pytest.importorskip("transformers")
     from tests.test_hf import build
 
     model, _ = build("qwen2")
@@ -158,7 +156,9 @@ def test_graph_partition_on_a_hugging_face_model():
             ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n))
             expected = model(input_ids=ids, use_cache=False).logits
             torch.testing.assert_close(compiled(input_ids=ids, use_cache=False).logits, expected)
-    assert transformers is not None
+    # One piece, the whole graph, handed to Inductor's partitioner (on CPU it makes no
+    # partitions: they exist for CUDA graphs), instead of tessera's 2L+1 pieces.
+    assert len(compiled.pieces) == 1 and compiled.pieces[0].partitions is not None
 
 
 def test_graph_partition_needs_inductor_and_piecewise():
@@ -199,7 +199,7 @@ def test_adjacent_splitting_ops_form_one_splitting_piece():
     x, w = torch.randn(5, 8), torch.randn(8, 8)
     torch.testing.assert_close(compiled(x, w), two_in_a_row(x, w))
     assert [p.is_splitting for p in compiled.pieces] == [False, True, False]
-    assert len(compiled.pieces) == 3 and silly_model is not None
+    assert len(compiled.pieces) == 3
 
 
 # -- the compile record ---------------------------------------------------------------------------

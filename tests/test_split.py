@@ -75,17 +75,29 @@ def test_getitem_stays_with_its_producer():
         y = torch.ops.silly.attention(a, b, a)
         return y * 3
 
-    gm = torch.fx.symbolic_trace(chunky)
-    split_gm, items = split_graph(gm, ["silly::attention"])
+    # A Dynamo graph, so placeholders carry example values (a symbolic trace has none).
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(chunky, backend=capture, fullgraph=True)(torch.ones(2, 4))
+    split_gm, items = split_graph(graphs[0], ["silly::attention"])
     assert [i.is_splitting for i in items] == [False, True, False]
+    seen = 0
     for item in items:
         for node in item.graph.graph.nodes:
+            if node.op == "placeholder" and isinstance(node.meta.get("example_value"), torch.Tensor):
+                seen += 1
             if node.op == "placeholder":
-                assert not isinstance(node.meta.get("example_value"), tuple)
+                assert not isinstance(node.meta.get("example_value"), (tuple, list)), node
+    assert seen >= 3, "the pieces' inputs are tensors: x, then a and b, then y"
     # the chunk's getitems live in piece 0, never as a tuple input of piece 1
     first = items[0].graph.graph
     assert any(n.target is operator.getitem for n in first.nodes)
-    torch.testing.assert_close(split_gm(torch.ones(2, 4)), chunky(torch.ones(2, 4)))
+    (out,) = split_gm(torch.ones(2, 4))  # a Dynamo graph returns a tuple
+    torch.testing.assert_close(out, chunky(torch.ones(2, 4)))
 
 
 def test_unknown_splitting_op_spec_is_a_config_error():
