@@ -540,6 +540,14 @@ def _inductor_env_changes_code(name: str) -> bool:
     return not any(word in name for word in ("CACHE", "THREADS", "WORKER", "TRACE", "DEBUG"))
 
 
+def fresh_inductor_cache(directory: str) -> contextlib.AbstractContextManager[None]:
+    """Inductor's caches (in memory and on disk) empty for the body, under ``directory``:
+    ``torch._inductor.utils.fresh_cache`` (torch 2.11-2.15), as torch's own tests use it."""
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache(dir=directory)
+
+
 def standalone_compile(
     graph: torch.fx.GraphModule, inputs: list[Any], dynamic_shapes: str, patches: dict[str, Any]
 ) -> Any:

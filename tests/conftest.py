@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tessera
+from tessera import _compat
 
 # silly::attention: a stand-in splitting op with a real and a fake implementation.
 if not hasattr(torch.ops.silly, "attention"):
@@ -21,13 +22,20 @@ if not hasattr(torch.ops.silly, "attention"):
 
 
 @pytest.fixture(autouse=True)
-def _clean_state(tmp_path, monkeypatch):
+def _clean_state(request, tmp_path, monkeypatch):
     torch._dynamo.reset()
     tessera.counters.reset()
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("MODE", "BACKEND", "COMPILE_SIZES", "COMPILE_RANGES", "MAX_SIZE", "DISABLE_CACHE"):
         monkeypatch.delenv(f"TESSERA_{name}", raising=False)
-    yield
+    if request.node.get_closest_marker("inductor") is None:
+        yield
+    else:
+        # Inductor's own caches empty per test (as torch's tests do): a test that asserts what
+        # tessera compiled or loaded must not pass on kernels an earlier test left behind. Child
+        # processes inherit the directory through TORCHINDUCTOR_CACHE_DIR.
+        with _compat.fresh_inductor_cache(str(tmp_path)):
+            yield
     torch._dynamo.reset()
 
 

@@ -140,6 +140,41 @@ def test_dim_marks_are_restored_as_they_were():
     torch.testing.assert_close(torch.compile(lambda t: t * 2, backend="eager")(fresh), fresh * 2)
 
 
+def test_graph_compile_reason_names_the_break_and_its_line_and_placeholders_have_values():
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    def breaks(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        if y.sum() > 0:  # the break
+            return y + 1
+        return y - 1
+
+    x = torch.ones(3, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(breaks, backend=capture)(x)
+    reason, where, is_break = _compat.graph_compile_reason(graphs[0])
+    assert is_break and reason and "test_compat.py" in where and "in breaks" in where
+    assert _compat.graph_compile_reason(graphs[-1])[2] is False, "the last graph returns"
+    values = _compat.placeholder_values(graphs[0])
+    assert any(isinstance(v, torch.SymInt) for v in values) or any(
+        isinstance(v, torch.Tensor) and isinstance(v.shape[0], torch.SymInt) for v in values
+    )
+
+
+def test_fresh_inductor_cache_points_inductor_at_an_empty_directory(tmp_path):
+    import os
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with _compat.fresh_inductor_cache(str(tmp_path)):
+        inside = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert inside.startswith(str(tmp_path)) and os.listdir(inside) == []
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+
+
 def test_trace_errors_and_constraint_violation_are_exception_types():
     errors = _compat.trace_errors()
     assert errors and all(issubclass(e, BaseException) for e in errors)
