@@ -15,7 +15,7 @@ endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
 
-.PHONY: install demo test test-compat lint bench clean
+.PHONY: install demo test test-fast test-compat lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(STAMP)
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	$(PY) -m pytest -q
 
+# The edit loop: no Inductor, no multi-process or Hugging Face tests (under 3 minutes on 2 cores).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not inductor and not slow"
+
 # The private-API surface (tessera/_compat.py) alone: quick, for every supported torch.
 test-compat: $(STAMP)
 	$(PY) -m pytest -q tests/test_compat.py
@@ -42,6 +46,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tessera tests benchmarks examples
 	$(VENV)/bin/ruff format --check tessera tests benchmarks examples
 	$(VENV)/bin/mypy
+
+# The developers' documentation (docs/), warnings as errors.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/steady_state.py
