@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tessera import _compat, counters, dynamo_guards, guards, hooks, validation
-from tessera.backend import PiecewiseBackend
+from tessera.backend import COMPILE_LOCK, PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
@@ -243,6 +243,28 @@ class CompiledModel:
             children = [c.report for c in tuple(self._small.values())]
             return next((r for r in children if r is not None), None)
         return self._make_report()
+
+    @property
+    def ready(self) -> bool:
+        """Whether every compile size and range is in place (compiled in the background after the
+        first output, see ``CompileConfig.background_compile``). False before the first call."""
+        return self.wait_ready(0)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until every size is in place, at most ``timeout`` seconds; whether it is. A
+        server gates its readiness on it; calls are served (by the general artifacts) meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for backend in self._backends():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not backend.ready.wait(left):
+                return False
+        return self.first_call_seconds is not None or bool(self._small)
+
+    def _backends(self) -> list[PiecewiseBackend]:
+        own = [self._backend] if self._backend is not None else []
+        graphs = [b for _, b in self._graphs]
+        children = [b for c in tuple(self._small.values()) for b in c._backends()]
+        return own + graphs + children
 
     def _make_report(self) -> CompileReport:
         if self._graphs:  # the guarded path: one report of every graph's pieces
@@ -613,7 +635,7 @@ class CompiledModel:
         start = time.perf_counter()
         versions = _versions(args, kwargs)
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
-        with _compat.dim_marks_restored(marked):
+        with COMPILE_LOCK, _compat.dim_marks_restored(marked):
             mark_dynamic(values, choice, self.compile_config.dynamic_shapes)
             if self._mark_nested is not None:
                 self._mark_nested(values)
@@ -637,13 +659,23 @@ class CompiledModel:
         self._backend, self.warm_start, self._trace_code = backend, False, trace.code
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
-        if print_ is not None:
-            backend.save_artifact(print_, self._entry, trace.code, spec)
-            if remote is not None and root is not None and backend.store is not None:
-                publish(remote, root, print_, backend.store)
         self._install(
             functools.partial(trace.call, self._target), spec, _compat.guard_globals(self._entry.__globals__)
         )
+        if print_ is None:
+            backend.start_background()
+            return trace.output
+        entry, code = self._entry, trace.code
+
+        def save() -> None:  # once every size is compiled (in the background, or now)
+            backend.save_artifact(print_, entry, code, spec)
+            if remote is not None and root is not None and backend.store is not None:
+                publish(remote, root, print_, backend.store)
+            if self.first_call_seconds is not None and self.cache_dir is not None:
+                report = self._make_report()  # the record with every size, for `tessera report`
+                save_report(self.cache_dir, report.kind, json.dumps(report.as_dict(), indent=1))
+
+        backend.start_background(save)
         return trace.output
 
     # -- the call check ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import pickle
+import threading
 import time
 import types
 import warnings
@@ -63,6 +64,10 @@ from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_cal
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
 
+# Held by every compile of this process (a trace, a background compile): Inductor and Dynamo keep
+# global state (config patches, caches) that two compiles at once in one process would share.
+COMPILE_LOCK = threading.RLock()
+
 
 class PiecewiseBackend:
     """Splits, compiles or loads, and dispatches the pieces of one model."""
@@ -93,6 +98,11 @@ class PiecewiseBackend:
         self.phases: dict[str, float] = {}  # seconds per phase (split, compile, load_kernels, ...)
         self.outcomes: list[tuple[str, Size, CompileOutcome]] = []  # (piece, size, how obtained)
         self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
+        # Serve first, specialise after: (piece, fake and real inputs, sizes, content) left for
+        # the background thread, and whether every size is in place (set when nothing is left).
+        self._later: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], tuple[Size, ...], str]] = []
+        self.ready = threading.Event()
+        self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
@@ -165,18 +175,23 @@ class PiecewiseBackend:
         built = time.perf_counter()
         self.phases["split"] = built - start
         calls = piece_calls(split_gm, items, list(example_inputs))
+        later = self._background()
         needed = {
-            index_key(s, item.index, self.compiler.name) for item, fake, _ in calls for s in self._sizes(fake)
+            index_key(s, item.index, self.compiler.name)
+            for item, fake, _ in calls
+            for s in (self._sizes(fake)[:1] if later else self._sizes(fake))
         }
         store = self.manager.store
         turn = compile_turn(store, needed, self.remote) if store is not None else contextlib.nullcontext()
         progress = CompileProgress(self.prefix, len(needed))
         try:
-            with turn:
+            with COMPILE_LOCK, turn:
                 for item, fake_args, real_args in calls:
-                    self._build(split_gm, item, fake_args, real_args, progress)
+                    self._build(split_gm, item, fake_args, real_args, progress, general_only=later)
         finally:
             progress.close()
+        if not self._later:
+            self.ready.set()
         self.phases["compile"] = time.perf_counter() - built
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
         # forward, not __call__: skips nn.Module call machinery on every step.
@@ -190,8 +205,10 @@ class PiecewiseBackend:
         fake_args: Sequence[Any],
         real_args: Sequence[Any | None],
         progress: CompileProgress,
+        general_only: bool = False,
     ) -> None:
-        """Compile (or load) every artifact of one non-splitting piece and install its runner."""
+        """Compile (or load) every artifact of one non-splitting piece and install its runner;
+        ``general_only``: the general one now, the sizes and ranges left for the background."""
         config = self.config
         output = next(iter(reversed(item.graph.graph.nodes)))
         returns_tuple = isinstance(output.args[0], (tuple, list))
@@ -199,6 +216,9 @@ class PiecewiseBackend:
         sizes = self._sizes(fake_args)
         content = piece_content(item.graph, fake_args)
         self.contents[item.name] = content
+        if general_only and len(sizes) > 1:
+            self._later.append((item, fake_args, real_args, sizes[1:], content))
+            sizes = sizes[:1]
         artifacts: dict[Size, Callable[..., Any]] = {}
         seconds = []
         timings = []
@@ -234,6 +254,65 @@ class PiecewiseBackend:
         )
         runner = PieceRunner(item.name, artifacts, source, config.max_size)
         split_gm.__dict__[item.name] = self._install_runner(record, runner)
+
+    # -- serve first, specialise after ----------------------------------------------------------
+    def _background(self) -> bool:
+        """Whether sizes and ranges compile after the first output. Not with CUDA graphs (a
+        captured graph holds the artifact it was captured with)."""
+        return self.config.background_compile and self.graph_backend is None
+
+    def start_background(self, then: Callable[[], None] | None = None) -> None:
+        """Compile what was left for later in a thread of its own, swapping each artifact in as it
+        is ready, then run ``then`` (the whole-model artifact is written once every size is in
+        place, so that the next process loads them all). The thread is not a daemon: a process
+        that exits first waits for it, and the cache gets every artifact."""
+        if not self._later:
+            self.ready.set()
+            if then is not None:
+                then()
+            return
+        self.background_status = "running"
+        thread = threading.Thread(
+            target=self._compile_later, args=(then,), name=f"tessera-compile-{self.prefix}", daemon=False
+        )
+        thread.start()
+
+    def _compile_later(self, then: Callable[[], None] | None) -> None:
+        start = time.perf_counter()
+        try:
+            for item, fake_args, real_args, sizes, content in self._later:
+                for size in sizes:
+                    inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
+                    if isinstance(size, int):
+                        inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+                    with COMPILE_LOCK:
+                        outcome = self.manager.get(
+                            item.graph, inputs, size, item.index, self.manager.content_key(content, size)
+                        )
+                    self.runners[item.name].add(size, outcome.fn)
+                    record = self.records[item.name]
+                    self.records[item.name] = dataclasses.replace(
+                        record, compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds))
+                    )
+                    self.outcomes.append((item.name, size, outcome))
+                    self._record_stage(item, size, outcome)
+            if then is not None:
+                with COMPILE_LOCK:
+                    then()
+        except Exception as e:  # the general artifacts keep serving: said once, and in the report
+            self.background_status = f"failed: {type(e).__name__}: {e}"
+            log.warning(
+                "%s: a background compile failed (%s: %s); the general artifacts keep serving every size",
+                self.prefix,
+                type(e).__name__,
+                e,
+            )
+        else:
+            self.background_status = "done"
+        finally:
+            self.phases["background_compile"] = time.perf_counter() - start
+            self._later = []
+            self.ready.set()
 
     def _record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
         """One artifact obtained: in torch's structured trace, and in the debug dumps."""
@@ -299,6 +378,7 @@ class PiecewiseBackend:
             raise WarmStartUnavailable(f"the artifact does not rebuild here ({type(e).__name__}: {e})") from e
         counters.bump("pieces", len(backend.order))
         counters.bump("compiled_pieces", len(saved.pieces))
+        backend.ready.set()  # every size was in the artifact
         return backend, call, saved.call_spec
 
     def _rebuild(self, saved: ModelArtifact, entry: types.FunctionType) -> Callable[..., Any]:
@@ -458,6 +538,10 @@ class PiecewiseBackend:
     @property
     def compiled(self) -> int:
         return self.manager.compiled
+
+
+def _as_is(values: Sequence[Any]) -> Sequence[Any]:
+    return values
 
 
 def _partitions(compiler: Compiler, fn: Callable[..., Any] | None) -> int | None:

@@ -99,6 +99,10 @@ class CompileConfig:
     # would, each graph compiled and cached by tessera, Dynamo's guards kept (warned once);
     # True refuses it with UnsupportedModelError.
     fullgraph: bool = False
+    # Serve first, specialise after: the first output waits for each piece's general artifact
+    # only; compile sizes and ranges compile in a background thread and are swapped in when
+    # ready. False compiles everything before the first output (tests, batch jobs).
+    background_compile: bool = field(default_factory=lambda: not v.env_off("BACKGROUND_COMPILE"))
     debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
     cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
 
@@ -113,6 +117,7 @@ class CompileConfig:
         v.check_choice("dynamic_shapes", self.dynamic_shapes, DYNAMIC_SHAPES)
         v.check_bool("graph_partition", self.graph_partition)
         v.check_bool("fullgraph", self.fullgraph)
+        v.check_bool("background_compile", self.background_compile)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),

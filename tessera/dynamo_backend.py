@@ -116,7 +116,9 @@ class GraphCompiler:
             return stock_backend(self.config.backend if self.config.backend == "eager" else "inductor")(
                 gm, example_inputs
             )
-        config = self._config_for(gm, example_inputs)
+        # Dynamo's guarded path compiles as Dynamo asks, up front: a background thread would
+        # compile while Dynamo traces other frames of this process.
+        config = self._config_for(gm, example_inputs).replace(background_compile=False)
         root = None if config.disable_cache else cache_root(config.cache_dir)
         remote = remote_tier(config.cache_remote) if root is not None else None
         backend = PiecewiseBackend(config, make_compiler(config.backend), root, self.prefix, remote)

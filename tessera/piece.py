@@ -142,6 +142,21 @@ class PieceRunner:
         artifact.served += 1
         return artifact.fn(*args)
 
+    def add(self, size: Size, fn: Callable[..., Any]) -> None:
+        """Swap in an artifact compiled after the first output (a background compile). Each
+        structure the call path reads is replaced whole, never changed in place: a call in flight
+        finishes on the artifact it chose, and every structure it may read is correct alone."""
+        added = _Artifact(fn, size_label(size))
+        artifacts = {**self._artifacts, size: added}
+        if isinstance(size, SizeRange):
+            self._ranges = sorted(
+                ((s, a) for s, a in artifacts.items() if isinstance(s, SizeRange)), key=lambda item: item[0]
+            )
+        elif isinstance(size, int):
+            self._exact = {**self._exact, size: added}
+        self._artifacts = artifacts
+        self._memo = dict(self._exact)  # sizes memoised on the general artifact look again
+
     def _lookup(self, size: int) -> _Artifact:
         if size < 0 or (self.max_size is not None and size > self.max_size):
             raise SizeNotCompiledError(self._uncovered_message(size))

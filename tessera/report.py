@@ -62,6 +62,9 @@ class CompileReport:
     whole_model_artifact: str  # "loaded", "written", or why neither
     total_seconds: float
     graphs: tuple[GraphReport, ...] = ()  # the guarded path (graph breaks): each graph Dynamo made
+    # Serve first, specialise after: the sizes and ranges compiled after the first output.
+    background: str = "none"  # "none", "running", "done", or "failed: <why>"
+    all_sizes_ready_seconds: float | None = None  # from the first call's start; None until ready
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -81,8 +84,15 @@ class CompileReport:
         shared = sum(a.source == "shared" for a in self.artifacts)
         breaks = sum(g.graph_break for g in self.graphs)
         graphs = f"{len(self.graphs)} graphs ({breaks} graph breaks), " if self.graphs else ""
+        later = ""
+        if self.background == "running":
+            later = "; sizes and ranges compiling in the background"
+        elif self.background == "done" and self.all_sizes_ready_seconds is not None:
+            later = f"; every size ready at {self.all_sizes_ready_seconds:.2f}s"
+        elif self.background.startswith("failed"):
+            later = f"; background compile {self.background}"
         return (
-            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s ({graphs}"
+            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s{later} ({graphs}"
             f"{self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
             f"artifacts: {compiled} compiled, {shared} shared, {loaded} loaded; "
             f"whole-model artifact {self.whole_model_artifact}; cache {self.cache_entry or 'disabled'})"
@@ -107,8 +117,9 @@ def build_report(
     without one); ``phases``: what the model measured itself (trace, first call, warm phases)."""
     artifacts: list[ArtifactReport] = []
     if backend is not None:
-        phases.update({k: v for k, v in backend.phases.items() if k not in phases})
-        for piece, size, outcome in backend.outcomes:
+        # Copies first: a background compile may be adding to them.
+        phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
+        for piece, size, outcome in list(backend.outcomes):
             runner = backend.runners.get(piece)
             served = dict(runner.served()) if runner is not None else {}
             record = outcome.record
@@ -140,7 +151,17 @@ def build_report(
         cache_entry=str(store.path) if store is not None else None,
         whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
         total_seconds=total_seconds,
+        background=backend.background_status if backend is not None else "none",
+        all_sizes_ready_seconds=_all_ready(backend, total_seconds),
     )
+
+
+def _all_ready(backend: Any, first_output: float) -> float | None:
+    """Seconds from the first call's start until every size was in place (the background
+    compile starts as the first output is returned)."""
+    if backend is None or not backend.ready.is_set():
+        return None
+    return first_output + dict(backend.phases).get("background_compile", 0.0)
 
 
 def merge_graph_reports(

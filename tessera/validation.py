@@ -22,6 +22,12 @@ def env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+def env_off(name: str) -> bool:
+    """Whether ``TESSERA_<name>`` turns a default-on switch off (unset: on)."""
+    value = os.environ.get(f"TESSERA_{name}", "").strip()
+    return value != "" and not env_bool(name)
+
+
 def env_bool(name: str) -> bool:
     value = os.environ.get(f"TESSERA_{name}", "").strip().lower()
     if value in TRUE_WORDS:

@@ -54,6 +54,12 @@ def render(report: dict[str, Any], cold: dict[str, Any] | None = None) -> None:
     )
     console.print(f"cache entry: {report['cache_entry'] or 'disabled'}")
     console.print(f"whole-model artifact: {report['whole_model_artifact']}")
+    if report.get("background", "none") != "none":
+        ready = report.get("all_sizes_ready_seconds")
+        console.print(
+            f"first output after {report['total_seconds']:.2f}s; sizes and ranges compiled after it: "
+            f"{report['background']}" + (f", every size ready at {ready:.2f}s" if ready is not None else "")
+        )
     if cold is not None and report["kind"] != "cold":
         console.print(
             f"this entry's cold start took {cold['total_seconds']:.2f}s "

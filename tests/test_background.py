@@ -1,0 +1,149 @@
+"""Serve first, specialise after: the first output waits for the general artifacts only; compile
+sizes and ranges compile in the background and are swapped in when ready, equal to eager at
+every moment. (The rest of the suite compiles up front: TESSERA_BACKGROUND_COMPILE=0, conftest.)"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import tessera
+from tessera.models import toy_llama
+from tests.child import run_toy
+
+
+class GatedCompiler:
+    """Runs graphs as Python; a compile for a static size or a range waits for ``gate`` (the test
+    holds the background compile where it wants it), and raises if ``fail`` is set."""
+
+    name = "gated"
+    gate: ClassVar[threading.Event] = threading.Event()
+    fail: ClassVar[bool] = False
+    compiled: ClassVar[list[Any]] = []
+
+    def compute_hash(self) -> str:
+        return "gated-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        if size is not None:
+            assert GatedCompiler.gate.wait(60), "the test never opened the gate"
+            if GatedCompiler.fail:
+                raise RuntimeError("this compiler cannot do static sizes")
+        GatedCompiler.compiled.append(size)
+        return graph.forward, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        raise AssertionError("nothing is saved, so nothing is loaded")
+
+
+@pytest.fixture
+def gated():
+    # The class tessera loads by name (pytest may import this file under another module name).
+    cls = importlib.import_module("tests.test_background").GatedCompiler
+    cls.gate.clear()
+    cls.fail = False
+    cls.compiled = []
+    yield cls
+    cls.gate.set()  # never leave a background thread waiting
+
+
+def served(compiled: tessera.CompiledModel) -> dict[str, int]:
+    return dict(next(p for p in compiled.pieces if not p.is_splitting).served)
+
+
+def test_the_first_output_waits_for_the_general_artifacts_only(gated):
+    model = toy_llama.build(num_layers=2)
+    compiled = tessera.compile(
+        model,
+        backend="tests.test_background:GatedCompiler",
+        compile_sizes=[8],
+        compile_ranges=[16],
+        background_compile=True,
+        disable_cache=True,
+    )
+    for n in (5, 8, 20):  # all served while the background compile is held at the gate
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
+    assert not compiled.ready and not compiled.wait_ready(0.05)
+    assert gated.compiled and set(gated.compiled) == {None}, "only general artifacts so far"
+    assert served(compiled) == {"general": 3}
+    report = compiled.report
+    assert report is not None and report.background == "running" and report.all_sizes_ready_seconds is None
+    gated.gate.set()
+    assert compiled.wait_ready(60) and compiled.ready
+    for n in (8, 20, 5):
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
+    assert served(compiled) == {"general": 3, "size 8": 1, "range [1,16]": 1, "range [17,max]": 1}
+    report = compiled.report
+    assert report is not None and report.background == "done"
+    assert (
+        report.all_sizes_ready_seconds is not None and report.all_sizes_ready_seconds >= report.total_seconds
+    )
+    assert "every size ready" in report.summary()
+
+
+def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep_serving(gated, caplog):
+    gated.fail = True
+    gated.gate.set()
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(
+        model,
+        backend="tests.test_background:GatedCompiler",
+        compile_sizes=[8],
+        background_compile=True,
+        disable_cache=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="tessera.backend"):
+        args = toy_llama.example_inputs(8)
+        torch.testing.assert_close(compiled(*args), model(*args))
+        assert compiled.wait_ready(60)
+    failures = [r for r in caplog.records if "background compile failed" in r.getMessage()]
+    assert len(failures) == 1
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert served(compiled) == {"general": 2}
+    report = compiled.report
+    assert report is not None and report.background.startswith("failed: RuntimeError")
+
+
+def test_background_off_compiles_every_size_before_the_first_output():
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(
+        model, backend="eager", compile_sizes=[8], compile_ranges=[16], background_compile=False
+    )
+    compiled(*toy_llama.example_inputs(5))
+    counts = tessera.counters.snapshot()
+    # general, size 8, ranges [1,16] and [17,max]: every one before the first output
+    assert counts["backend_compilations"] == 4 * counts["compiled_pieces"]
+    assert compiled.ready and compiled.report is not None and compiled.report.background == "none"
+
+
+@pytest.mark.inductor
+def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_warm(tmp_path):
+    model = toy_llama.build(num_layers=2)
+    compiled = tessera.compile(model, backend="inductor", compile_sizes=[8], background_compile=True)
+    sizes = (6, 8, 3, 17)
+    for n in sizes:
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, compiling")
+    assert compiled.wait_ready(300)
+    for n in sizes:
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
+    assert served(compiled).get("size 8", 0) >= 1
+    # A process that calls once and exits at once still leaves every artifact behind: the
+    # background thread finishes first, so the next process starts warm with nothing compiled.
+    cache = tmp_path / "child-cache"
+    env = {"TESSERA_BACKGROUND_COMPILE": "1"}
+    cold = run_toy(cache, tmp_path / "cold.pt", "--sizes", "5", "--compile-sizes", "8", **env)
+    warm = run_toy(cache, tmp_path / "warm.pt", "--sizes", "5,8", "--compile-sizes", "8", **env)
+    assert cold["counters"]["inductor_compiles"] > 0
+    assert warm["warm_start"] is True and warm["counters"]["inductor_compiles"] == 0
