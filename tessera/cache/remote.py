@@ -2,11 +2,12 @@
 
 On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
 local cache; after a compile, what was made is published. Files are stored by content, so
-replicas share identical pieces. When several processes miss the same entry at once, one holds a
-lease (renewed while it compiles) and the others wait for its manifest; a compiler that dies lets
-its lease expire and a waiter takes over. With ``TESSERA_CACHE_SIGNING_KEY`` set, manifests and
-pointers are signed (HMAC-SHA256) and nothing unsigned or wrongly signed is used. Every failure of
-the store (unreachable, slow, restarted, evicting) is one warning; the local cache carries on.
+replicas share identical pieces. When several processes miss pieces of the same entry at once, one
+holds a lease (renewed while it compiles) and the others wait until a manifest has the pieces they
+need; a compiler that dies lets its lease expire and a waiter takes over. With
+``TESSERA_CACHE_SIGNING_KEY`` set, manifests and pointers are signed (HMAC-SHA256) and nothing
+unsigned or wrongly signed is used. Every failure of the store (unreachable, slow, restarted,
+evicting) is one warning; the local cache carries on.
 
 The store is behind ``BlobStore``: five operations another store (an object store) can provide.
 """
@@ -29,7 +30,7 @@ from typing import Any, Protocol
 import filelock
 
 from tessera.cache import trust
-from tessera.cache.index import Index, check_relative, parse
+from tessera.cache.index import Index, IndexKey, check_relative, parse
 from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.errors import ConfigError
 from tessera.validation import env_seconds
@@ -116,6 +117,8 @@ class RemoteTier:
         self.broken = False
         host = os.uname().nodename if hasattr(os, "uname") else "host"
         self.owner = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # The last manifest merged for each entry, with the pieces it left the entry with.
+        self._merged: dict[tuple[str, str], tuple[bytes, frozenset[IndexKey]]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _call(self, what: str, op: Any, *args: Any) -> Any:
@@ -184,9 +187,16 @@ class RemoteTier:
         self._call("publishing an entry", self.store.put, self._entry_key(key, prefix), self._wrap(manifest))
         return not self.broken
 
-    def fetch(self, entry: Path, key: str, prefix: str) -> bool:
-        """Download an entry into the local cache, every file checked; False if it is not there."""
+    def fetch(self, entry: Path, key: str, prefix: str, needed: set[IndexKey] | None = None) -> bool:
+        """Download an entry into the local cache, every file checked. True when the store has the
+        entry and, given ``needed``, the local entry now holds all of those pieces: a manifest that
+        lacks some is merged all the same, but those are still to be compiled, by the lease holder."""
         raw = self._call("fetching an entry", self.store.get, self._entry_key(key, prefix))
+        if raw is None:
+            return False
+        merged_before = self._merged.get((key, prefix))
+        if merged_before is not None and merged_before[0] == raw:
+            return needed is None or needed <= merged_before[1]  # a waiter's poll: nothing new
         manifest = self._unwrap(raw, f"entry {key[:10]}/{prefix}")
         if manifest is None or (manifest.get("format"), manifest.get("key"), manifest.get("prefix")) != (
             FORMAT,
@@ -222,25 +232,28 @@ class RemoteTier:
             # Under the entry's own lock, as every index update is; what the local index already
             # vouches for wins, and its files are left as they are.
             with filelock.FileLock(str(entry / ".lock"), timeout=60):
-                merged = self._merged_index(entry, index)
-                vouched = _file_checksums(merged)
-                for name, data in fetched.items():
-                    if vouched.get(name) == files[name]:
-                        atomic_write(entry / name, data)
-                atomic_write(entry / INDEX, merged.format().encode())  # last: files first
+                local = self._local_index(entry)
+                merged = local.merged_with(index) if local is not None else index
+                if fetched or merged != local:
+                    vouched = _file_checksums(merged)
+                    for name, data in fetched.items():
+                        if vouched.get(name) == files[name]:
+                            atomic_write(entry / name, data)
+                    atomic_write(entry / INDEX, merged.format().encode())  # last: files first
         except OSError as e:
             trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
             return False
+        pieces = frozenset(merged.entries)
+        self._merged[(key, prefix)] = (raw, pieces)
         log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.url, len(fetched))
-        return True
+        return needed is None or needed <= pieces
 
     @staticmethod
-    def _merged_index(entry: Path, remote: Index) -> Index:
+    def _local_index(entry: Path) -> Index | None:
         try:
-            local = read_index(entry)
+            return read_index(entry)
         except (OSError, ValueError, SyntaxError):
-            return remote
-        return local.merged_with(remote)
+            return None
 
     # -- pointers (model fingerprint -> entry) -----------------------------------------------------
     def publish_pointer(self, fingerprint: str, relative: str, key: str, prefix: str) -> None:
@@ -263,10 +276,11 @@ class RemoteTier:
 
     # -- compiling once across the fleet -----------------------------------------------------------
     @contextmanager
-    def compile_turn(self, entry: Path, key: str, prefix: str) -> Iterator[bool]:
-        """Yields True when this process should compile the entry (it holds the lease, renewed
-        until the block ends), False when another process published it while we waited (it is
-        now in the local cache). A waiter whose compiler died, or that waited too long, compiles.
+    def compile_turn(self, entry: Path, key: str, prefix: str, needed: set[IndexKey]) -> Iterator[bool]:
+        """Yields True when this process should compile the ``needed`` pieces of the entry (it
+        holds the lease, renewed until the block ends), False when another process published them
+        while we waited (they are now in the local cache). A waiter whose compiler died, or that
+        waited too long, compiles.
         """
         lease_key = f"{NAMESPACE}lease:{key}:{prefix}"
         token = self.owner.encode()
@@ -276,14 +290,14 @@ class RemoteTier:
             acquired = self._call(
                 "taking a lease", self.store.put_if_absent, lease_key, token, self.lease_seconds
             )
-            if acquired and self.fetch(entry, key, prefix):
+            if acquired and self.fetch(entry, key, prefix, needed):
                 # The previous holder published and let go between our last look and now.
                 self._call("releasing a lease", self.store.delete_if, lease_key, token)
                 yield False
                 return
             if acquired or self.broken:
                 break
-            if self.fetch(entry, key, prefix):
+            if self.fetch(entry, key, prefix, needed):
                 yield False
                 return
             if time.monotonic() > deadline:
