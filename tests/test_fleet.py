@@ -5,6 +5,7 @@ A real redis-server runs on a loopback port (``make test`` installs it when miss
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import tessera
 from tessera.cache.archive import export, import_
 from tessera.cache.index import parse
 from tessera.cache.remote import RemoteTier
+from tessera.cache.store import CacheEntry
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
 
@@ -338,6 +340,24 @@ def test_redis_faults_cost_one_warning_and_never_a_wrong_result(tmp_path, redis_
     assert tessera.counters.snapshot()["graphs_traced"] >= 1
 
 
+def test_a_piece_that_could_not_be_written_locally_is_never_published(tmp_path, redis_server, monkeypatch):
+    """A full disk while recording a piece: the manifest would lack it, and send the fleet to
+    compile it while believing the entry complete. Nothing is published; the next replica compiles."""
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(CacheEntry, "record_artifact", disk_full)
+    with pytest.warns(CacheWarning, match="No space left on device"):
+        _compile_and_check(tmp_path / "full", redis_server.url)
+    client = redis_server.client()
+    assert not list(client.scan_iter("tessera:v1:entry:*")), "a manifest of pieces never written"
+    monkeypatch.undo()
+    tessera.counters.reset()
+    _compile_and_check(tmp_path / "next", redis_server.url)
+    assert tessera.counters.snapshot()["eager_compiles"] > 0 and list(client.scan_iter("tessera:v1:entry:*"))
+
+
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
 def test_a_bad_remote_timing_variable_is_a_config_error_naming_it(monkeypatch, value):
     monkeypatch.setenv("TESSERA_REMOTE_LEASE_SECONDS", value)
@@ -432,7 +452,7 @@ def test_taking_from_a_sibling_rank_skips_files_that_are_gone(tmp_path):
     """A sibling entry pruned midway: what is still there is taken, the rest left to compile."""
     from tessera.cache.index import ArtifactRecord, Index
     from tessera.cache.sharing import _take_from_siblings
-    from tessera.cache.store import FACTORS, INDEX, CacheEntry
+    from tessera.cache.store import FACTORS, INDEX
 
     ours, sibling = tmp_path / "key" / "rank_0_0" / "p", tmp_path / "key" / "rank_1_0" / "p"
     for entry in (ours, sibling):

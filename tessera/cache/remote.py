@@ -165,11 +165,17 @@ class RemoteTier:
     def _entry_key(self, key: str, prefix: str) -> str:
         return f"{NAMESPACE}entry:{key}:{prefix}"  # no rank: identical graphs share, across ranks too
 
-    def publish(self, entry: Path, key: str, prefix: str) -> bool:
-        """Upload every file the entry's index vouches for (by sha256) and its manifest."""
+    def publish(self, entry: Path, key: str, prefix: str, needed: set[IndexKey] | None = None) -> bool:
+        """Upload every file the entry's index vouches for (by sha256), then its manifest; with
+        ``needed``, only when the entry on disk holds all of those pieces."""
         try:
             index = read_index(entry)
         except (OSError, ValueError, SyntaxError):
+            return False
+        if needed is not None and not needed <= set(index.entries):
+            # A piece compiled here was never recorded (disk full, read-only): a manifest without
+            # it would have the fleet load an entry that is not there and compile it regardless.
+            log.info("not publishing %s/%s: a write of the local entry failed", key[:10], prefix)
             return False
         files = _file_checksums(index)
         for name, sha in files.items():

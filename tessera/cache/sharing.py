@@ -54,7 +54,9 @@ def compile_turn(store: CacheEntry, needed: set[IndexKey], remote: RemoteTier | 
                     store.reload()
                     yield
                     if ours:
-                        remote.publish(store.path, store.key, name)
+                        # Only when the entry on disk has every piece: a failed write leaves it
+                        # without some, and then nothing is published.
+                        remote.publish(store.path, store.key, name, needed)
                 return
         yield
     finally:
