@@ -27,7 +27,7 @@ import torch
 import tessera
 from tessera.cache.archive import export, import_
 from tessera.cache.index import parse
-from tessera.cache.remote import RemoteTier
+from tessera.cache.remote import RedisStore, RemoteTier
 from tessera.cache.store import CacheEntry
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
@@ -356,6 +356,26 @@ def test_a_piece_that_could_not_be_written_locally_is_never_published(tmp_path, 
     tessera.counters.reset()
     _compile_and_check(tmp_path / "next", redis_server.url)
     assert tessera.counters.snapshot()["eager_compiles"] > 0 and list(client.scan_iter("tessera:v1:entry:*"))
+
+
+def test_the_lease_holder_publishes_its_entry_once(tmp_path, redis_server, monkeypatch):
+    """The entry's manifest is published once, by the lease holder, before it lets the lease go;
+    the whole-model artifact travels with its pointer, and a new process still starts warm."""
+    published: list[str] = []
+    put = RedisStore.put
+
+    def counted(self: RedisStore, key: str, value: bytes) -> None:
+        published.append(key)
+        put(self, key, value)
+
+    monkeypatch.setattr(RedisStore, "put", counted)
+    _compile_and_check(tmp_path / "holder", redis_server.url)
+    manifests = [k for k in published if k.startswith("tessera:v1:entry:")]
+    assert len(manifests) == 1, published
+    assert len([k for k in published if k.startswith("tessera:v1:warm:")]) == 1, published
+    tessera.counters.reset()
+    warm = _compile_and_check(tmp_path / "empty disk", redis_server.url)
+    assert warm.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])

@@ -1,8 +1,9 @@
 """The remote tier: a store shared by a fleet (Redis), behind each process's local cache.
 
 On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
-local cache; after a compile, what was made is published. Files are stored by content, so
-replicas share identical pieces. When several processes miss pieces of the same entry at once, one
+local cache; after a compile, the lease holder publishes what was made, once. Files are stored by
+content, so replicas share identical pieces; the whole-model artifact travels with the pointer from
+a model's fingerprint to its entry. When several processes miss pieces of the same entry at once, one
 holds a lease (renewed while it compiles) and the others wait until a manifest has the pieces they
 need; a compiler that dies lets its lease expire and a waiter takes over. With
 ``TESSERA_CACHE_SIGNING_KEY`` set, manifests and pointers are signed (HMAC-SHA256) and nothing
@@ -19,6 +20,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -30,7 +32,7 @@ from typing import Any, Protocol
 import filelock
 
 from tessera.cache import trust
-from tessera.cache.index import Index, IndexKey, check_relative, parse
+from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.errors import ConfigError
 from tessera.validation import env_seconds
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "tessera:v1:"
 FORMAT = 1
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class BlobStore(Protocol):
@@ -117,7 +120,9 @@ class RemoteTier:
         self.broken = False
         host = os.uname().nodename if hasattr(os, "uname") else "host"
         self.owner = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        # The last manifest merged for each entry, with the pieces it left the entry with.
+        # Entries the store holds as this process has them (it published or fetched them), and
+        # the last manifest merged for each with the pieces it left the entry with.
+        self._in_store: set[tuple[str, str]] = set()
         self._merged: dict[tuple[str, str], tuple[bytes, frozenset[IndexKey]]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -131,6 +136,10 @@ class RemoteTier:
             why = f"{what} failed ({type(e).__name__}: {e})"
             trust.warn_once(Path(self.url), why, "using the local cache only")
             return None
+
+    def holds(self, key: str, prefix: str) -> bool:
+        """Whether this process put the entry in the store or took it from there."""
+        return (key, prefix) in self._in_store
 
     def _sign(self, body: bytes) -> str | None:
         return hmac.new(self.signing_key, body, hashlib.sha256).hexdigest() if self.signing_key else None
@@ -177,31 +186,49 @@ class RemoteTier:
             # it would have the fleet load an entry that is not there and compile it regardless.
             log.info("not publishing %s/%s: a write of the local entry failed", key[:10], prefix)
             return False
+        index.model = None  # the whole-model artifact travels with its pointer (publish_pointer)
         files = _file_checksums(index)
         for name, sha in files.items():
-            blob = f"{NAMESPACE}blob:{sha}"
-            if self._call("checking a blob", self.store.exists, blob):
-                continue
-            try:
-                data = (entry / name).read_bytes()
-            except OSError:
+            if not self._upload(entry, name, sha):
                 return False
-            if hashlib.sha256(data).hexdigest() != sha:
-                return False  # changed under us: never publish what the index does not vouch for
-            self._call("uploading a blob", self.store.put, blob, data)
         manifest = {"format": FORMAT, "key": key, "prefix": prefix, "files": files, "index": index.format()}
         self._call("publishing an entry", self.store.put, self._entry_key(key, prefix), self._wrap(manifest))
-        return not self.broken
+        if self.broken:
+            return False
+        self._in_store.add((key, prefix))
+        return True
 
-    def fetch(self, entry: Path, key: str, prefix: str, needed: set[IndexKey] | None = None) -> bool:
-        """Download an entry into the local cache, every file checked. True when the store has the
-        entry and, given ``needed``, the local entry now holds all of those pieces: a manifest that
-        lacks some is merged all the same, but those are still to be compiled, by the lease holder."""
+    def _upload(self, entry: Path, name: str, sha: str) -> bool:
+        """The file as a blob named by its sha256 (unless the store has it); False if it changed."""
+        blob = f"{NAMESPACE}blob:{sha}"
+        if self._call("checking a blob", self.store.exists, blob):
+            return True
+        try:
+            data = (entry / name).read_bytes()
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != sha:
+            return False  # changed under us: never publish what the index does not vouch for
+        self._call("uploading a blob", self.store.put, blob, data)
+        return True
+
+    def fetch(
+        self,
+        entry: Path,
+        key: str,
+        prefix: str,
+        needed: set[IndexKey] | None = None,
+        model: FileRecord | None = None,
+    ) -> bool:
+        """Download an entry into the local cache, every file checked (and ``model``, the
+        whole-model artifact a pointer names). True when the store has the entry and, given
+        ``needed``, the local entry now holds all of those pieces: a manifest that lacks some is
+        merged all the same, but those are still to be compiled, by the lease holder."""
         raw = self._call("fetching an entry", self.store.get, self._entry_key(key, prefix))
         if raw is None:
             return False
         merged_before = self._merged.get((key, prefix))
-        if merged_before is not None and merged_before[0] == raw:
+        if merged_before is not None and merged_before[0] == raw and model is None:
             return needed is None or needed <= merged_before[1]  # a waiter's poll: nothing new
         manifest = self._unwrap(raw, f"entry {key[:10]}/{prefix}")
         if manifest is None or (manifest.get("format"), manifest.get("key"), manifest.get("prefix")) != (
@@ -224,6 +251,9 @@ class RemoteTier:
                 Path(self.url), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
             )
             return False
+        if model is not None:  # signed with the pointer, for this fingerprint: it wins
+            index.model = model
+            files = {**files, MODEL: model.sha256}
         fetched: dict[str, bytes] = {}
         for name, sha in files.items():
             path = entry / name
@@ -251,6 +281,7 @@ class RemoteTier:
             return False
         pieces = frozenset(merged.entries)
         self._merged[(key, prefix)] = (raw, pieces)
+        self._in_store.add((key, prefix))
         log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.url, len(fetched))
         return needed is None or needed <= pieces
 
@@ -261,10 +292,16 @@ class RemoteTier:
         except (OSError, ValueError, SyntaxError):
             return None
 
-    # -- pointers (model fingerprint -> entry) -----------------------------------------------------
-    def publish_pointer(self, fingerprint: str, relative: str, key: str, prefix: str) -> None:
+    # -- pointers (model fingerprint -> entry and its whole-model artifact) --------------------------
+    def publish_pointer(self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str) -> None:
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
-        body = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
+        body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
+        try:
+            model = read_index(entry).model
+        except (OSError, ValueError, SyntaxError):
+            model = None
+        if model is not None and self._upload(entry, MODEL, model.sha256):
+            body["model"] = {"sha256": model.sha256, "size": model.size}
         self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
 
     def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
@@ -366,18 +403,32 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
     except OSError as e:
         trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
         return
-    if remote.fetch(entry, body["key"], body["prefix"]):
+    if remote.fetch(entry, body["key"], body["prefix"], model=_model_record(body.get("model"))):
         try:
             artifact.write_pointer(root, fingerprint, entry)
         except OSError as e:
             trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
 
 
+def _model_record(value: Any) -> FileRecord | None:
+    """The whole-model artifact a pointer names, or None (older pointers name none)."""
+    if not isinstance(value, dict):
+        return None
+    sha, size = value.get("sha256"), value.get("size")
+    if not (isinstance(sha, str) and _SHA256.fullmatch(sha) and isinstance(size, int) and size >= 0):
+        return None
+    return FileRecord(MODEL, sha, size)
+
+
 def publish(remote: RemoteTier, root: Path, fingerprint: str, store: Any) -> None:
-    """After a trace: publish the entry (its whole-model artifact included) and its pointer."""
-    if remote.publish(store.path, store.key, store.path.name):
-        relative = store.path.relative_to(root).as_posix()
-        remote.publish_pointer(fingerprint, relative, store.key, store.path.name)
+    """After a trace: publish the pointer from ``fingerprint`` to the entry, with the whole-model
+    artifact; and the entry itself, unless it is in the store already (its lease holder published
+    it before letting go, or this process fetched it): one manifest per compile, not two."""
+    key, prefix = store.key, store.path.name
+    if not remote.holds(key, prefix) and not remote.publish(store.path, key, prefix):
+        return
+    relative = store.path.relative_to(root).as_posix()
+    remote.publish_pointer(fingerprint, store.path, relative, key, prefix)
 
 
 def remote_tier(url: str | None) -> RemoteTier | None:

@@ -54,8 +54,8 @@ def compile_turn(store: CacheEntry, needed: set[IndexKey], remote: RemoteTier | 
                     store.reload()
                     yield
                     if ours:
-                        # Only when the entry on disk has every piece: a failed write leaves it
-                        # without some, and then nothing is published.
+                        # Once, before the lease goes; and only when the entry on disk has every
+                        # piece (a failed write leaves it without some: then nothing is published).
                         remote.publish(store.path, store.key, name, needed)
                 return
         yield
