@@ -3,14 +3,13 @@
 On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
 local cache; after a compile, the lease holder publishes what was made, once. Files are stored by
 content, so replicas share identical pieces; the whole-model artifact travels with the pointer from
-a model's fingerprint to its entry. When several processes miss pieces of the same entry at once, one
-holds a lease (renewed while it compiles) and the others wait until a manifest has the pieces they
-need; a compiler that dies lets its lease expire and a waiter takes over. With
+a model's fingerprint to its entry. When several processes miss pieces of the same entry at once,
+one holds a lease (renewed while it compiles) and the others wait until a manifest has the pieces
+they need; a compiler that dies lets its lease expire and a waiter takes over. With
 ``TESSERA_CACHE_SIGNING_KEY`` set, manifests and pointers are signed (HMAC-SHA256) and nothing
-unsigned or wrongly signed is used. Every failure of the store (unreachable, slow, restarted,
-evicting) is one warning; the local cache carries on.
-
-The store is behind ``BlobStore``: five operations another store (an object store) can provide.
+unsigned or wrongly signed is used. A failing store (unreachable, slow, restarted, evicting) is
+retried within ``TESSERA_REMOTE_TIMEOUT_SECONDS`` in all and warned once (blobstore.py); then the
+local cache carries on.
 """
 
 from __future__ import annotations
@@ -27,14 +26,14 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import filelock
 
 from tessera.cache import trust
+from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, store_errors, warn_fault
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
-from tessera.errors import ConfigError
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -44,77 +43,18 @@ FORMAT = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class BlobStore(Protocol):
-    """The few operations the remote tier needs from a store."""
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def put(self, key: str, value: bytes) -> None: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
-
-    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
-
-    def delete_if(self, key: str, value: bytes) -> None: ...
-
-
-class RedisStore:
-    """``BlobStore`` on Redis (the ``redis`` client, ``pip install tessera[remote]``)."""
-
-    # Compare-and-act on a lease without a race: only its owner may extend or drop it.
-    _OWNED = "if redis.call('get', KEYS[1]) == ARGV[1] then return "
-    _RENEW = _OWNED + "redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-    _DELETE = _OWNED + "redis.call('del', KEYS[1]) end return 0"
-
-    def __init__(self, url: str, timeout: float) -> None:
-        try:
-            import redis
-        except ImportError as e:
-            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-
-    def get(self, key: str) -> bytes | None:
-        value = self._client.get(key)
-        return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
-
-    def put(self, key: str, value: bytes) -> None:
-        self._client.set(key, value)
-
-    def exists(self, key: str) -> bool:
-        return bool(self._client.exists(key))
-
-    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
-        return bool(self._client.set(key, value, nx=True, px=int(ttl_seconds * 1000)))
-
-    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
-        return bool(self._client.eval(self._RENEW, 1, key, value, int(ttl_seconds * 1000)))
-
-    def delete_if(self, key: str, value: bytes) -> None:
-        self._client.eval(self._DELETE, 1, key, value)
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """What a store raises when it cannot be reached or answer (redis: RedisError, OSError)."""
-    try:
-        import redis
-
-        return (redis.RedisError, OSError, TimeoutError)
-    except ImportError:
-        return (OSError, TimeoutError)
-
-
 class RemoteTier:
     """Fetch, publish, sign and lease cache entries in a shared store. Never raises: a failing
-    store is reported once and then left alone for the rest of the process."""
+    store is retried within the timeout, warned about once, and then left alone."""
 
     def __init__(self, url: str, store: BlobStore | None = None) -> None:
         self.url = url
+        self.name = display(url)  # without its password, for warnings and logs
         self.lease_seconds = env_seconds("REMOTE_LEASE_SECONDS", 30.0)
         self.wait_seconds = env_seconds("REMOTE_WAIT_SECONDS", 900.0)
         timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
         self.store: BlobStore = store if store is not None else RedisStore(url, timeout)
+        self.faults = FaultBudget(self.name, timeout, self.store)
         key = os.environ.get("TESSERA_CACHE_SIGNING_KEY")
         self.signing_key = key.encode() if key else None
         self.broken = False
@@ -127,14 +67,16 @@ class RemoteTier:
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _call(self, what: str, op: Any, *args: Any) -> Any:
+        """``op(*args)`` on the store, retried within the fault budget; None once it failed for
+        good (then the tier is off: the local cache carries on alone)."""
         if self.broken:
             return None
         try:
-            return op(*args)
+            return self.faults.call(what, op, *args)
         except store_errors() as e:
             self.broken = True
-            why = f"{what} failed ({type(e).__name__}: {e})"
-            trust.warn_once(Path(self.url), why, "using the local cache only")
+            warn_fault(self.name, f"{what} failed ({type(e).__name__}: {e})", "using the local cache only")
+            log.info("%s: off after %.1fs lost to its faults; local cache only", self.name, self.faults.spent)
             return None
 
     def holds(self, key: str, prefix: str) -> bool:
@@ -157,13 +99,13 @@ class RemoteTier:
             text, sig = record["body"], record.get("sig")
             body = json.loads(text)
         except (ValueError, KeyError, TypeError):
-            trust.warn_once(Path(self.url), f"{what} is not a tessera record", "ignoring it")
+            trust.warn_once(Path(self.name), f"{what} is not a tessera record", "ignoring it")
             return None
         if self.signing_key is not None:
             expected = self._sign(text.encode())
             if not isinstance(sig, str) or not hmac.compare_digest(sig, expected or ""):
                 trust.warn_once(
-                    Path(self.url),
+                    Path(self.name),
                     f"{what} is {'unsigned' if sig is None else 'signed with another key'}",
                     "not using it; compiling instead",
                 )
@@ -248,7 +190,7 @@ class RemoteTier:
             index = parse(str(manifest["index"]))
         except (ValueError, SyntaxError, KeyError) as e:
             trust.warn_once(
-                Path(self.url), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
+                Path(self.name), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
             )
             return False
         if model is not None:  # signed with the pointer, for this fingerprint: it wins
@@ -282,7 +224,7 @@ class RemoteTier:
         pieces = frozenset(merged.entries)
         self._merged[(key, prefix)] = (raw, pieces)
         self._in_store.add((key, prefix))
-        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.url, len(fetched))
+        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.name, len(fetched))
         return needed is None or needed <= pieces
 
     @staticmethod
@@ -310,7 +252,8 @@ class RemoteTier:
         if body is None or not all(isinstance(body.get(k), str) for k in ("entry", "key", "prefix")):
             return None
         if body.get("fingerprint") != fingerprint:
-            trust.warn_once(Path(self.url), f"pointer {fingerprint[:12]} names another model", "not using it")
+            why = f"pointer {fingerprint[:12]} names another model"
+            trust.warn_once(Path(self.name), why, "not using it")
             return None
         relative = Path(body["entry"])
         if relative.is_absolute() or ".." in relative.parts:
@@ -323,7 +266,7 @@ class RemoteTier:
         """Yields True when this process should compile the ``needed`` pieces of the entry (it
         holds the lease, renewed until the block ends), False when another process published them
         while we waited (they are now in the local cache). A waiter whose compiler died, or that
-        waited too long, compiles.
+        waited too long, compiles; so does every process once the store has failed.
         """
         lease_key = f"{NAMESPACE}lease:{key}:{prefix}"
         token = self.owner.encode()
@@ -360,21 +303,43 @@ class RemoteTier:
                     self.wait_seconds,
                 )
             time.sleep(0.2)
+        if not acquired:
+            yield True
+            return
         stop = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop), daemon=True)
-        if acquired:
-            renewer.start()
+        trouble: list[str] = []  # what befell the lease meanwhile, warned from this thread
+        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop, trouble), daemon=True)
+        renewer.start()
         try:
             yield True
         finally:
+            # The renewer is not joined: one hanging on a slow store must not delay the first
+            # output, and a late renewal is harmless (it extends only a lease that is still ours).
             stop.set()
-            if acquired:
-                renewer.join()
-                self._call("releasing a lease", self.store.delete_if, lease_key, token)
+            if self._call("releasing a lease", self.store.delete_if, lease_key, token) is False:
+                trouble.append("its lease was gone when it was done compiling")
+            if trouble:
+                warn_fault(
+                    self.name,
+                    f"entry {key[:10]}/{prefix}: {trouble[0]}",
+                    "the store restarted, evicted it or could not be reached; another process may have "
+                    "compiled the entry too (results are unaffected)",
+                )
 
-    def _renew(self, lease_key: str, token: bytes, stop: threading.Event) -> None:
-        while not stop.wait(self.lease_seconds / 3):
-            self._call("renewing a lease", self.store.renew, lease_key, token, self.lease_seconds)
+    def _renew(self, lease_key: str, token: bytes, stop: threading.Event, trouble: list[str]) -> None:
+        """Extend the lease while the block runs; one that vanished (a restart, an eviction) is
+        taken again if nobody else has. Faults are only noted: this thread neither retries nor
+        warns, and the next renewal is the retry."""
+        while not stop.wait(self.lease_seconds / 3) and not self.broken:
+            try:
+                if self.store.renew(lease_key, token, self.lease_seconds):
+                    continue
+                if not self.store.put_if_absent(lease_key, token, self.lease_seconds):
+                    trouble.append("its lease vanished while it compiled, and another process took it")
+                    return
+                trouble.append("its lease vanished while it compiled (taken again)")
+            except store_errors() as e:
+                trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
 
 
 def _file_checksums(index: Index) -> dict[str, str]:
