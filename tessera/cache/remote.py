@@ -119,6 +119,8 @@ class RemoteTier:
     def publish(self, entry: Path, key: str, prefix: str, needed: set[IndexKey] | None = None) -> bool:
         """Upload every file the entry's index vouches for (by sha256), then its manifest; with
         ``needed``, only when the entry on disk holds all of those pieces."""
+        if self.broken:
+            return False  # not a read of every file for nothing
         try:
             index = read_index(entry)
         except (OSError, ValueError, SyntaxError):
@@ -237,6 +239,8 @@ class RemoteTier:
     # -- pointers (model fingerprint -> entry and its whole-model artifact) --------------------------
     def publish_pointer(self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str) -> None:
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
+        if self.broken:
+            return
         body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
         try:
             model = read_index(entry).model
