@@ -1,14 +1,15 @@
 """The remote tier: a store shared by a fleet (Redis), behind each process's local cache.
 
 On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
-local cache; after a compile, what was made is published. Files are stored by content, so
-replicas share identical pieces. When several processes miss the same entry at once, one holds a
-lease (renewed while it compiles) and the others wait for its manifest; a compiler that dies lets
-its lease expire and a waiter takes over. With ``TESSERA_CACHE_SIGNING_KEY`` set, manifests and
-pointers are signed (HMAC-SHA256) and nothing unsigned or wrongly signed is used. Every failure of
-the store (unreachable, slow, restarted, evicting) is one warning; the local cache carries on.
-
-The store is behind ``BlobStore``: five operations another store (an object store) can provide.
+local cache; after a compile, the lease holder publishes what was made, once. Files are stored by
+content, so replicas share identical pieces; the whole-model artifact travels with the pointer from
+a model's fingerprint to its entry. When several processes miss pieces of the same entry at once,
+one holds a lease (renewed while it compiles) and the others wait until a manifest has the pieces
+they need; a compiler that dies lets its lease expire and a waiter takes over. With
+``TESSERA_CACHE_SIGNING_KEY`` set, manifests and pointers are signed (HMAC-SHA256) and nothing
+unsigned or wrongly signed is used. A failing store (unreachable, slow, restarted, evicting) is
+retried within ``TESSERA_REMOTE_TIMEOUT_SECONDS`` in all and warned once (blobstore.py); then the
+local cache carries on.
 """
 
 from __future__ import annotations
@@ -18,116 +19,69 @@ import hmac
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import filelock
 
 from tessera.cache import trust
-from tessera.cache.index import Index, check_relative, parse
+from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, store_errors, warn_fault
+from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
-from tessera.errors import ConfigError
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "tessera:v1:"
 FORMAT = 1
-
-
-class BlobStore(Protocol):
-    """The few operations the remote tier needs from a store."""
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def put(self, key: str, value: bytes) -> None: ...
-
-    def exists(self, key: str) -> bool: ...
-
-    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
-
-    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
-
-    def delete_if(self, key: str, value: bytes) -> None: ...
-
-
-class RedisStore:
-    """``BlobStore`` on Redis (the ``redis`` client, ``pip install tessera[remote]``)."""
-
-    # Compare-and-act on a lease without a race: only its owner may extend or drop it.
-    _OWNED = "if redis.call('get', KEYS[1]) == ARGV[1] then return "
-    _RENEW = _OWNED + "redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-    _DELETE = _OWNED + "redis.call('del', KEYS[1]) end return 0"
-
-    def __init__(self, url: str, timeout: float) -> None:
-        try:
-            import redis
-        except ImportError as e:
-            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
-
-    def get(self, key: str) -> bytes | None:
-        value = self._client.get(key)
-        return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
-
-    def put(self, key: str, value: bytes) -> None:
-        self._client.set(key, value)
-
-    def exists(self, key: str) -> bool:
-        return bool(self._client.exists(key))
-
-    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
-        return bool(self._client.set(key, value, nx=True, px=int(ttl_seconds * 1000)))
-
-    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
-        return bool(self._client.eval(self._RENEW, 1, key, value, int(ttl_seconds * 1000)))
-
-    def delete_if(self, key: str, value: bytes) -> None:
-        self._client.eval(self._DELETE, 1, key, value)
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """What a store raises when it cannot be reached or answer (redis: RedisError, OSError)."""
-    try:
-        import redis
-
-        return (redis.RedisError, OSError, TimeoutError)
-    except ImportError:
-        return (OSError, TimeoutError)
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class RemoteTier:
     """Fetch, publish, sign and lease cache entries in a shared store. Never raises: a failing
-    store is reported once and then left alone for the rest of the process."""
+    store is retried within the timeout, warned about once, and then left alone."""
 
     def __init__(self, url: str, store: BlobStore | None = None) -> None:
         self.url = url
+        self.name = display(url)  # without its password, for warnings and logs
         self.lease_seconds = env_seconds("REMOTE_LEASE_SECONDS", 30.0)
         self.wait_seconds = env_seconds("REMOTE_WAIT_SECONDS", 900.0)
         timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
         self.store: BlobStore = store if store is not None else RedisStore(url, timeout)
+        self.faults = FaultBudget(self.name, timeout, self.store)
         key = os.environ.get("TESSERA_CACHE_SIGNING_KEY")
         self.signing_key = key.encode() if key else None
         self.broken = False
         host = os.uname().nodename if hasattr(os, "uname") else "host"
         self.owner = f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # Entries the store holds as this process has them (it published or fetched them), and
+        # the last manifest merged for each with the pieces it left the entry with.
+        self._in_store: set[tuple[str, str]] = set()
+        self._merged: dict[tuple[str, str], tuple[bytes, frozenset[IndexKey]]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
     def _call(self, what: str, op: Any, *args: Any) -> Any:
+        """``op(*args)`` on the store, retried within the fault budget; None once it failed for
+        good (then the tier is off: the local cache carries on alone)."""
         if self.broken:
             return None
         try:
-            return op(*args)
+            return self.faults.call(what, op, *args)
         except store_errors() as e:
             self.broken = True
-            why = f"{what} failed ({type(e).__name__}: {e})"
-            trust.warn_once(Path(self.url), why, "using the local cache only")
+            warn_fault(self.name, f"{what} failed ({type(e).__name__}: {e})", "using the local cache only")
+            log.info("%s: off after %.1fs lost to its faults; local cache only", self.name, self.faults.spent)
             return None
+
+    def holds(self, key: str, prefix: str) -> bool:
+        """Whether this process put the entry in the store or took it from there."""
+        return (key, prefix) in self._in_store
 
     def _sign(self, body: bytes) -> str | None:
         return hmac.new(self.signing_key, body, hashlib.sha256).hexdigest() if self.signing_key else None
@@ -145,13 +99,13 @@ class RemoteTier:
             text, sig = record["body"], record.get("sig")
             body = json.loads(text)
         except (ValueError, KeyError, TypeError):
-            trust.warn_once(Path(self.url), f"{what} is not a tessera record", "ignoring it")
+            trust.warn_once(Path(self.name), f"{what} is not a tessera record", "ignoring it")
             return None
         if self.signing_key is not None:
             expected = self._sign(text.encode())
             if not isinstance(sig, str) or not hmac.compare_digest(sig, expected or ""):
                 trust.warn_once(
-                    Path(self.url),
+                    Path(self.name),
                     f"{what} is {'unsigned' if sig is None else 'signed with another key'}",
                     "not using it; compiling instead",
                 )
@@ -162,31 +116,64 @@ class RemoteTier:
     def _entry_key(self, key: str, prefix: str) -> str:
         return f"{NAMESPACE}entry:{key}:{prefix}"  # no rank: identical graphs share, across ranks too
 
-    def publish(self, entry: Path, key: str, prefix: str) -> bool:
-        """Upload every file the entry's index vouches for (by sha256) and its manifest."""
+    def publish(self, entry: Path, key: str, prefix: str, needed: set[IndexKey] | None = None) -> bool:
+        """Upload every file the entry's index vouches for (by sha256), then its manifest; with
+        ``needed``, only when the entry on disk holds all of those pieces."""
+        if self.broken:
+            return False  # not a read of every file for nothing
         try:
             index = read_index(entry)
         except (OSError, ValueError, SyntaxError):
             return False
+        if needed is not None and not needed <= set(index.entries):
+            # A piece compiled here was never recorded (disk full, read-only): a manifest without
+            # it would have the fleet load an entry that is not there and compile it regardless.
+            log.info("not publishing %s/%s: a write of the local entry failed", key[:10], prefix)
+            return False
+        index.model = None  # the whole-model artifact travels with its pointer (publish_pointer)
         files = _file_checksums(index)
         for name, sha in files.items():
-            blob = f"{NAMESPACE}blob:{sha}"
-            if self._call("checking a blob", self.store.exists, blob):
-                continue
-            try:
-                data = (entry / name).read_bytes()
-            except OSError:
+            if not self._upload(entry, name, sha):
                 return False
-            if hashlib.sha256(data).hexdigest() != sha:
-                return False  # changed under us: never publish what the index does not vouch for
-            self._call("uploading a blob", self.store.put, blob, data)
         manifest = {"format": FORMAT, "key": key, "prefix": prefix, "files": files, "index": index.format()}
         self._call("publishing an entry", self.store.put, self._entry_key(key, prefix), self._wrap(manifest))
-        return not self.broken
+        if self.broken:
+            return False
+        self._in_store.add((key, prefix))
+        return True
 
-    def fetch(self, entry: Path, key: str, prefix: str) -> bool:
-        """Download an entry into the local cache, every file checked; False if it is not there."""
+    def _upload(self, entry: Path, name: str, sha: str) -> bool:
+        """The file as a blob named by its sha256 (unless the store has it); False if it changed."""
+        blob = f"{NAMESPACE}blob:{sha}"
+        if self._call("checking a blob", self.store.exists, blob):
+            return True
+        try:
+            data = (entry / name).read_bytes()
+        except OSError:
+            return False
+        if hashlib.sha256(data).hexdigest() != sha:
+            return False  # changed under us: never publish what the index does not vouch for
+        self._call("uploading a blob", self.store.put, blob, data)
+        return True
+
+    def fetch(
+        self,
+        entry: Path,
+        key: str,
+        prefix: str,
+        needed: set[IndexKey] | None = None,
+        model: FileRecord | None = None,
+    ) -> bool:
+        """Download an entry into the local cache, every file checked (and ``model``, the
+        whole-model artifact a pointer names). True when the store has the entry and, given
+        ``needed``, the local entry now holds all of those pieces: a manifest that lacks some is
+        merged all the same, but those are still to be compiled, by the lease holder."""
         raw = self._call("fetching an entry", self.store.get, self._entry_key(key, prefix))
+        if raw is None:
+            return False
+        merged_before = self._merged.get((key, prefix))
+        if merged_before is not None and merged_before[0] == raw and model is None:
+            return needed is None or needed <= merged_before[1]  # a waiter's poll: nothing new
         manifest = self._unwrap(raw, f"entry {key[:10]}/{prefix}")
         if manifest is None or (manifest.get("format"), manifest.get("key"), manifest.get("prefix")) != (
             FORMAT,
@@ -205,9 +192,12 @@ class RemoteTier:
             index = parse(str(manifest["index"]))
         except (ValueError, SyntaxError, KeyError) as e:
             trust.warn_once(
-                Path(self.url), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
+                Path(self.name), f"entry {key[:10]}/{prefix} is malformed ({e})", "compiling instead"
             )
             return False
+        if model is not None:  # signed with the pointer, for this fingerprint: it wins
+            index.model = model
+            files = {**files, MODEL: model.sha256}
         fetched: dict[str, bytes] = {}
         for name, sha in files.items():
             path = entry / name
@@ -222,30 +212,42 @@ class RemoteTier:
             # Under the entry's own lock, as every index update is; what the local index already
             # vouches for wins, and its files are left as they are.
             with filelock.FileLock(str(entry / ".lock"), timeout=60):
-                merged = self._merged_index(entry, index)
-                vouched = _file_checksums(merged)
-                for name, data in fetched.items():
-                    if vouched.get(name) == files[name]:
-                        atomic_write(entry / name, data)
-                atomic_write(entry / INDEX, merged.format().encode())  # last: files first
+                local = self._local_index(entry)
+                merged = local.merged_with(index) if local is not None else index
+                if fetched or merged != local:
+                    vouched = _file_checksums(merged)
+                    for name, data in fetched.items():
+                        if vouched.get(name) == files[name]:
+                            atomic_write(entry / name, data)
+                    atomic_write(entry / INDEX, merged.format().encode())  # last: files first
         except OSError as e:
             trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
             return False
-        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.url, len(fetched))
-        return True
+        pieces = frozenset(merged.entries)
+        self._merged[(key, prefix)] = (raw, pieces)
+        self._in_store.add((key, prefix))
+        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.name, len(fetched))
+        return needed is None or needed <= pieces
 
     @staticmethod
-    def _merged_index(entry: Path, remote: Index) -> Index:
+    def _local_index(entry: Path) -> Index | None:
         try:
-            local = read_index(entry)
+            return read_index(entry)
         except (OSError, ValueError, SyntaxError):
-            return remote
-        return local.merged_with(remote)
+            return None
 
-    # -- pointers (model fingerprint -> entry) -----------------------------------------------------
-    def publish_pointer(self, fingerprint: str, relative: str, key: str, prefix: str) -> None:
+    # -- pointers (model fingerprint -> entry and its whole-model artifact) --------------------------
+    def publish_pointer(self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str) -> None:
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
-        body = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
+        if self.broken:
+            return
+        body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
+        try:
+            model = read_index(entry).model
+        except (OSError, ValueError, SyntaxError):
+            model = None
+        if model is not None and self._upload(entry, MODEL, model.sha256):
+            body["model"] = {"sha256": model.sha256, "size": model.size}
         self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
 
     def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
@@ -254,7 +256,8 @@ class RemoteTier:
         if body is None or not all(isinstance(body.get(k), str) for k in ("entry", "key", "prefix")):
             return None
         if body.get("fingerprint") != fingerprint:
-            trust.warn_once(Path(self.url), f"pointer {fingerprint[:12]} names another model", "not using it")
+            why = f"pointer {fingerprint[:12]} names another model"
+            trust.warn_once(Path(self.name), why, "not using it")
             return None
         relative = Path(body["entry"])
         if relative.is_absolute() or ".." in relative.parts:
@@ -263,10 +266,11 @@ class RemoteTier:
 
     # -- compiling once across the fleet -----------------------------------------------------------
     @contextmanager
-    def compile_turn(self, entry: Path, key: str, prefix: str) -> Iterator[bool]:
-        """Yields True when this process should compile the entry (it holds the lease, renewed
-        until the block ends), False when another process published it while we waited (it is
-        now in the local cache). A waiter whose compiler died, or that waited too long, compiles.
+    def compile_turn(self, entry: Path, key: str, prefix: str, needed: set[IndexKey]) -> Iterator[bool]:
+        """Yields True when this process should compile the ``needed`` pieces of the entry (it
+        holds the lease, renewed until the block ends), False when another process published them
+        while we waited (they are now in the local cache). A waiter whose compiler died, or that
+        waited too long, compiles; so does every process once the store has failed.
         """
         lease_key = f"{NAMESPACE}lease:{key}:{prefix}"
         token = self.owner.encode()
@@ -276,14 +280,14 @@ class RemoteTier:
             acquired = self._call(
                 "taking a lease", self.store.put_if_absent, lease_key, token, self.lease_seconds
             )
-            if acquired and self.fetch(entry, key, prefix):
+            if acquired and self.fetch(entry, key, prefix, needed):
                 # The previous holder published and let go between our last look and now.
                 self._call("releasing a lease", self.store.delete_if, lease_key, token)
                 yield False
                 return
             if acquired or self.broken:
                 break
-            if self.fetch(entry, key, prefix):
+            if self.fetch(entry, key, prefix, needed):
                 yield False
                 return
             if time.monotonic() > deadline:
@@ -303,21 +307,43 @@ class RemoteTier:
                     self.wait_seconds,
                 )
             time.sleep(0.2)
+        if not acquired:
+            yield True
+            return
         stop = threading.Event()
-        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop), daemon=True)
-        if acquired:
-            renewer.start()
+        trouble: list[str] = []  # what befell the lease meanwhile, warned from this thread
+        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop, trouble), daemon=True)
+        renewer.start()
         try:
             yield True
         finally:
+            # The renewer is not joined: one hanging on a slow store must not delay the first
+            # output, and a late renewal is harmless (it extends only a lease that is still ours).
             stop.set()
-            if acquired:
-                renewer.join()
-                self._call("releasing a lease", self.store.delete_if, lease_key, token)
+            if self._call("releasing a lease", self.store.delete_if, lease_key, token) is False:
+                trouble.append("its lease was gone when it was done compiling")
+            if trouble:
+                warn_fault(
+                    self.name,
+                    f"entry {key[:10]}/{prefix}: {trouble[0]}",
+                    "the store restarted, evicted it or could not be reached; another process may have "
+                    "compiled the entry too (results are unaffected)",
+                )
 
-    def _renew(self, lease_key: str, token: bytes, stop: threading.Event) -> None:
-        while not stop.wait(self.lease_seconds / 3):
-            self._call("renewing a lease", self.store.renew, lease_key, token, self.lease_seconds)
+    def _renew(self, lease_key: str, token: bytes, stop: threading.Event, trouble: list[str]) -> None:
+        """Extend the lease while the block runs; one that vanished (a restart, an eviction) is
+        taken again if nobody else has. Faults are only noted: this thread neither retries nor
+        warns, and the next renewal is the retry."""
+        while not stop.wait(self.lease_seconds / 3) and not self.broken:
+            try:
+                if self.store.renew(lease_key, token, self.lease_seconds):
+                    continue
+                if not self.store.put_if_absent(lease_key, token, self.lease_seconds):
+                    trouble.append("its lease vanished while it compiled, and another process took it")
+                    return
+                trouble.append("its lease vanished while it compiled (taken again)")
+            except store_errors() as e:
+                trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
 
 
 def _file_checksums(index: Index) -> dict[str, str]:
@@ -346,18 +372,32 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
     except OSError as e:
         trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
         return
-    if remote.fetch(entry, body["key"], body["prefix"]):
+    if remote.fetch(entry, body["key"], body["prefix"], model=_model_record(body.get("model"))):
         try:
             artifact.write_pointer(root, fingerprint, entry)
         except OSError as e:
             trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
 
 
+def _model_record(value: Any) -> FileRecord | None:
+    """The whole-model artifact a pointer names, or None (older pointers name none)."""
+    if not isinstance(value, dict):
+        return None
+    sha, size = value.get("sha256"), value.get("size")
+    if not (isinstance(sha, str) and _SHA256.fullmatch(sha) and isinstance(size, int) and size >= 0):
+        return None
+    return FileRecord(MODEL, sha, size)
+
+
 def publish(remote: RemoteTier, root: Path, fingerprint: str, store: Any) -> None:
-    """After a trace: publish the entry (its whole-model artifact included) and its pointer."""
-    if remote.publish(store.path, store.key, store.path.name):
-        relative = store.path.relative_to(root).as_posix()
-        remote.publish_pointer(fingerprint, relative, store.key, store.path.name)
+    """After a trace: publish the pointer from ``fingerprint`` to the entry, with the whole-model
+    artifact; and the entry itself, unless it is in the store already (its lease holder published
+    it before letting go, or this process fetched it): one manifest per compile, not two."""
+    key, prefix = store.key, store.path.name
+    if not remote.holds(key, prefix) and not remote.publish(store.path, key, prefix):
+        return
+    relative = store.path.relative_to(root).as_posix()
+    remote.publish_pointer(fingerprint, store.path, relative, key, prefix)
 
 
 def remote_tier(url: str | None) -> RemoteTier | None:

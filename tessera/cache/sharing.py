@@ -46,14 +46,17 @@ def compile_turn(store: CacheEntry, needed: set[IndexKey], remote: RemoteTier | 
         if _missing(store, needed):
             _take_from_siblings(store)
         if remote is not None and _missing(store, needed):
-            if remote.fetch(store.path, store.key, store.path.name):
-                store.reload()
+            name = store.path.name
+            remote.fetch(store.path, store.key, name, needed)
+            store.reload()  # a manifest that lacks some pieces still brings the others
             if _missing(store, needed):
-                with remote.compile_turn(store.path, store.key, store.path.name) as ours:
+                with remote.compile_turn(store.path, store.key, name, needed) as ours:
                     store.reload()
                     yield
                     if ours:
-                        remote.publish(store.path, store.key, store.path.name)
+                        # Once, before the lease goes; and only when the entry on disk has every
+                        # piece (a failed write leaves it without some: then nothing is published).
+                        remote.publish(store.path, store.key, name, needed)
                 return
         yield
     finally:

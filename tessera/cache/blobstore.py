@@ -1,0 +1,194 @@
+"""The store behind the remote tier (Redis), and how its faults are met: each failing call tried
+again after a pause, within one budget of ``TESSERA_REMOTE_TIMEOUT_SECONDS``, warned once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from tessera.errors import CacheWarning, ConfigError
+
+log = logging.getLogger(__name__)
+
+# A safety net under the budget, which is what ends the attempts (a dozen or so for 5 s).
+_MAX_RETRIES = 64
+_REPORTED: set[str] = set()  # stores whose fault this process has warned about: one warning each
+
+
+class BlobStore(Protocol):
+    """The few operations the remote tier needs from a store."""
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
+
+    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool: ...
+
+    def delete_if(self, key: str, value: bytes) -> bool: ...
+
+    def limit(self, seconds: float) -> None:
+        """Later operations give up after ``seconds`` (what is left of the fault budget)."""
+
+
+class RedisStore:
+    """``BlobStore`` on Redis (the ``redis`` client, ``pip install tessera[remote]``)."""
+
+    # Compare-and-act on a lease without a race: only its owner may extend or drop it.
+    _OWNED = "if redis.call('get', KEYS[1]) == ARGV[1] then return "
+    _RENEW = _OWNED + "redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
+    _DELETE = _OWNED + "redis.call('del', KEYS[1]) end return 0"
+
+    def __init__(self, url: str, timeout: float) -> None:
+        try:
+            import redis  # noqa: F401
+        except ImportError as e:
+            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
+        self._url = url
+        self._timeout = timeout
+        self._client = self._connect(timeout)
+
+    def _connect(self, timeout: float) -> Any:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries inside redis-py: FaultBudget retries, within one budget for every call.
+        # redis-py's own (3, with backoff, by default since redis-py 6; inside connect and again
+        # around each command) have no overall limit. Keep this as long as FaultBudget retries.
+        return redis.Redis.from_url(
+            self._url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+
+    def get(self, key: str) -> bytes | None:
+        value = self._client.get(key)
+        return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
+
+    def put(self, key: str, value: bytes) -> None:
+        self._client.set(key, value)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._client.exists(key))
+
+    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        return bool(self._client.set(key, value, nx=True, px=int(ttl_seconds * 1000)))
+
+    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        return bool(self._client.eval(self._RENEW, 1, key, value, int(ttl_seconds * 1000)))
+
+    def delete_if(self, key: str, value: bytes) -> bool:
+        return bool(self._client.eval(self._DELETE, 1, key, value))
+
+    def limit(self, seconds: float) -> None:
+        if seconds < self._timeout:
+            # A new client: socket timeouts are fixed when a connection is made.
+            self._timeout = seconds
+            self._client = self._connect(seconds)
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises when it cannot be reached or answer (redis: RedisError, OSError)."""
+    try:
+        import redis
+
+        return (redis.RedisError, OSError, TimeoutError)
+    except ImportError:
+        return (OSError, TimeoutError)
+
+
+def transient_errors() -> tuple[type[Exception], ...]:
+    """The faults that may pass, worth another attempt: refused, reset, timed out, still loading
+    after a restart (redis: ConnectionError, BusyLoadingError, TimeoutError)."""
+    try:
+        import redis
+
+        return (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+    except ImportError:
+        return (ConnectionError, TimeoutError)
+
+
+def display(url: str) -> str:
+    """``url`` as warnings and logs show it: never its password."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    return parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl()
+
+
+def warn_fault(store: str, what: str, consequence: str) -> None:
+    """One CacheWarning per store per process, however many calls fail: the first says what
+    failed and what is done about it; later ones are logged."""
+    if store in _REPORTED:
+        log.info("%s: %s", store, what)
+        return
+    _REPORTED.add(store)
+    warnings.warn(f"tessera cache: {store}: {what}; {consequence}", CacheWarning, stacklevel=2)
+
+
+class FaultBudget:
+    """Calls to a store, each tried again after a pause while it fails with a fault that may pass,
+    within ``seconds`` in all for the life of the tier.
+
+    The time every failed attempt and every pause took is spent from one budget, so a store that
+    is down, hanging or restarting delays a first output by at most ``seconds``, however many
+    calls fail. redis-py's ``Retry`` runs the attempts with its equal-jitter exponential backoff;
+    this class ends them when what is left could not pay for another pause, and shortens the
+    store's timeouts so that no attempt outlives the budget.
+    """
+
+    def __init__(self, store_name: str, seconds: float, store: BlobStore) -> None:
+        try:
+            from redis.backoff import EqualJitterBackoff
+            from redis.retry import Retry
+        except ImportError as e:
+            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
+
+        self.store_name = store_name
+        self.seconds = seconds
+        self.spent = 0.0
+        self._store = store
+        self._pause_cap = min(0.5, seconds / 4)  # restarts take about that: retry soon after
+        backoff = EqualJitterBackoff(cap=self._pause_cap, base=0.05)
+        self._retry = Retry(backoff, _MAX_RETRIES, supported_errors=transient_errors())
+
+    def left(self) -> float:
+        return max(0.0, self.seconds - self.spent)
+
+    def call(self, what: str, op: Callable[..., Any], *args: Any) -> Any:
+        """``op(*args)``, tried again while it fails with a fault that may pass and the budget
+        lasts; the last fault (or any other error) is raised."""
+        start = time.monotonic()
+        began = [start]  # when the latest attempt began: the time before it was lost to faults
+
+        def attempt() -> Any:
+            began[0] = time.monotonic()
+            return op(*args)
+
+        def failed(error: Exception) -> None:
+            warn_fault(
+                self.store_name,
+                f"{what} failed ({type(error).__name__}: {error})",
+                f"retrying for up to {self.seconds:g}s in all (TESSERA_REMOTE_TIMEOUT_SECONDS), "
+                "then using the local cache only",
+            )
+            left = self.seconds - self.spent - (time.monotonic() - start)
+            if left <= self._pause_cap:  # a pause and another attempt would overrun the budget
+                raise error
+            self._store.limit(left - self._pause_cap)
+
+        try:
+            return self._retry.call_with_retry(attempt, failed)
+        except BaseException:
+            began[0] = time.monotonic()
+            raise
+        finally:
+            self.spent += began[0] - start
