@@ -26,7 +26,7 @@ from tessera import _compat, counters, kernels
 from tessera.cache.key import machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
-from tessera.errors import CompilerError, ConfigError
+from tessera.errors import ArtifactDamaged, CompilerError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -217,14 +217,14 @@ class InductorCompiler:
     ) -> Callable[..., Any]:
         assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
         if not isinstance(handle, str) or not handle:
-            raise CompilerError(f"inductor artifact handle must be a file name, got {handle!r}")
+            raise ArtifactDamaged(f"inductor artifact handle must be a file name, got {handle!r}")
         fn = self._loaded.get(handle)
         if fn is None:
             # Files are content-addressed: identical pieces (transformer layers) load once.
             try:
                 piece = kernels.PieceFile.from_bytes((self.cache_dir / handle).read_bytes())
-            except (ValueError, KeyError, TypeError) as e:
-                raise CompilerError(f"{handle} is not a tessera piece file: {e}") from e
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ArtifactDamaged(f"{handle} is not a tessera piece file: {e}") from e
             fn = self._callable(piece, None, handle)
             self._partitions[id(fn)] = piece.partitions
             self._code[id(fn)] = piece.direct.wrapper if piece.direct is not None else ""
@@ -302,27 +302,21 @@ def _standard_bytes(artifact: Any) -> bytes:
 
 
 def make_compiler(backend: str) -> Compiler:
-    """The compiler a ``CompileConfig.backend`` names."""
+    """The compiler a ``CompileConfig.backend`` names; ``CompilerError`` if it cannot be had."""
     if backend == "eager":
         return EagerCompiler()
     if backend == "inductor":
         return InductorCompiler()
-    if backend == "inductor_fx":
-        # The FX-graph-cache adaptor (artifacts found through Inductor's own cache with an
-        # always-hit shape env) exists for torch < 2.8, which has no standalone compile. tessera
-        # needs torch >= 2.11, where 'inductor' does the same job through a public API; the
-        # private cache internals it would patch change between 2.11 and 2.13.
-        raise CompilerError(
-            f"backend='inductor_fx' serves torch < 2.8 (Inductor's FX graph cache); this torch "
-            f"({torch.__version__}) has standalone compile: use backend='inductor'"
-        )
     module_name, sep, class_name = backend.partition(":")
     if not sep or not module_name or not class_name:
         raise CompilerError(f"backend={backend!r}: expected 'inductor', 'eager' or 'module:Class'")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise CompilerError(f"backend={backend!r}: cannot import {class_name} from {module_name}") from e
+        raise CompilerError(
+            f"backend={backend!r}: cannot import {class_name} from {module_name} ({e}); check the "
+            "module is importable here and defines the class"
+        ) from e
     compiler = cls()
     missing = [m for m in ("compute_hash", "initialize_cache", "compile", "load") if not hasattr(compiler, m)]
     if missing or not isinstance(getattr(compiler, "name", None), str):
@@ -333,13 +327,26 @@ def make_compiler(backend: str) -> Compiler:
     return compiler  # type: ignore[no-any-return]
 
 
-def stock_backend(name: str) -> Callable[..., Any]:
-    """torch.compile's own ``name`` backend for mode="stock", counting what it traces and compiles."""
+def check_backend(config: CompileConfig) -> None:
+    """Refuse now (at ``tessera.compile``) a backend the first call could not use: a custom
+    compiler that does not import, or one ``mode='stock'`` cannot run."""
+    if config.mode == "stock":
+        _check_stock(config.backend)
+    elif config.mode != "none":
+        make_compiler(config.backend)
+
+
+def _check_stock(name: str) -> None:
     if name not in ("inductor", "eager"):
         raise ConfigError(
             f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
             "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
         )
+
+
+def stock_backend(name: str) -> Callable[..., Any]:
+    """torch.compile's own ``name`` backend for mode="stock", counting what it traces and compiles."""
+    _check_stock(name)
     inner = _compat.dynamo().lookup_backend(name)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -16,7 +16,12 @@ from tessera import validation as v
 from tessera.errors import ConfigError
 
 MODES = ("none", "stock", "trace_once", "piecewise")
-BUILTIN_BACKENDS = ("inductor", "eager", "inductor_fx")
+BUILTIN_BACKENDS = ("inductor", "eager")
+# Backends tessera once named and no longer serves, with what to use instead.
+RETIRED_BACKENDS = {
+    "inductor_fx": "served torch < 2.8 through Inductor's FX graph cache; tessera needs torch >= 2.11, "
+    "where standalone compile does the same job through a public API: use backend='inductor'",
+}
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 DYNAMIC_SHAPES = ("backed", "unbacked", "backed_size_oblivious")
 
@@ -67,7 +72,7 @@ class CompileConfig:
     )
     backend: str = field(
         default_factory=lambda: v.env_value(
-            "BACKEND", "inductor", check=lambda b: v.check_backend(b, BUILTIN_BACKENDS)
+            "BACKEND", "inductor", check=lambda b: v.check_backend(b, BUILTIN_BACKENDS, RETIRED_BACKENDS)
         )
     )
     splitting_ops: Sequence[SplittingOp] | None = None
@@ -105,7 +110,7 @@ class CompileConfig:
     def __post_init__(self) -> None:
         # Checked, then normalised to tuples so the frozen record cannot be mutated through a list.
         v.check_choice("mode", self.mode, MODES)
-        v.check_backend(self.backend, BUILTIN_BACKENDS)
+        v.check_backend(self.backend, BUILTIN_BACKENDS, RETIRED_BACKENDS)
         v.check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
         v.check_max_size(self.max_size)
         v.check_bool("disable_cache", self.disable_cache)
