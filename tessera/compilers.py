@@ -7,6 +7,7 @@ as a piece file that also loads without Inductor, see kernels.py). A user's own 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -15,7 +16,9 @@ import logging
 import os
 import platform
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -112,6 +115,14 @@ class EagerCompiler:
         return graph.forward
 
 
+@dataclass(frozen=True)
+class PieceNotes:
+    """What debug dumps and piece records read about one compiled callable."""
+
+    code: str  # the Python code that runs it (Inductor's output code)
+    partitions: int  # functions Inductor's graph partition made of it (0: none)
+
+
 class InductorCompiler:
     """Inductor's standalone compile; each artifact is one piece file (see kernels.PieceFile)."""
 
@@ -121,17 +132,33 @@ class InductorCompiler:
     def __init__(self) -> None:
         self.cache_dir: Path | None = None
         self.machine_record: Path | None = None
-        self._loaded: dict[str, Callable[..., Any]] = {}
-        self._partitions: dict[int, int] = {}  # id(callable) -> Inductor's partitions of it
-        self._code: dict[int, str] = {}  # id(callable) -> the Python code that runs it
+        # Both maps hold the callables weakly: a piece's callable lives as long as the runners that
+        # call it, and its notes (its source) go with it. Keyed by the object, never by id(): a
+        # freed callable's id is reused by later objects, which must not find its notes.
+        self._loaded: weakref.WeakValueDictionary[str, Callable[..., Any]] = weakref.WeakValueDictionary()
+        self._notes: weakref.WeakKeyDictionary[Callable[..., Any], PieceNotes] = weakref.WeakKeyDictionary()
 
     def output_code(self, fn: Callable[..., Any]) -> str | None:
         """Inductor's output code behind ``fn`` (for debug dumps), when known."""
-        return self._code.get(id(fn))
+        notes = self._notes_of(fn)
+        return notes.code if notes is not None else None
 
     def partitions_of(self, fn: Callable[..., Any]) -> int | None:
         """How many partitions Inductor's output code for ``fn`` has (graph_partition mode)."""
-        return self._partitions.get(id(fn))
+        notes = self._notes_of(fn)
+        return notes.partitions if notes is not None else None
+
+    def _notes_of(self, fn: Callable[..., Any]) -> PieceNotes | None:
+        try:
+            return self._notes.get(fn)
+        except TypeError:  # not weakly referable: nothing was noted for it
+            return None
+
+    def _note(self, fn: Callable[..., Any], notes: PieceNotes) -> None:
+        try:
+            self._notes[fn] = notes
+        except TypeError:  # not weakly referable (not one of ours): dumps show the FX code instead
+            log.debug("no notes kept for %r: it cannot be weakly referenced", fn)
 
     def _base_factors(self) -> dict[str, Any]:
         return {
@@ -192,9 +219,8 @@ class InductorCompiler:
         piece = kernels.package(artifact, graph, example_inputs, standard)
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
-        self._partitions[id(fn)] = piece.partitions
         compiled = _compat.find_compiled_graph(artifact)
-        self._code[id(fn)] = compiled.source_code if compiled is not None else ""
+        self._note(fn, PieceNotes(compiled.source_code if compiled is not None else "", piece.partitions))
         handle = None
         if self.cache_dir is not None and (piece.standard or piece.direct is not None):
             try:
@@ -226,10 +252,11 @@ class InductorCompiler:
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise ArtifactDamaged(f"{handle} is not a tessera piece file: {e}") from e
             fn = self._callable(piece, None, handle)
-            self._partitions[id(fn)] = piece.partitions
-            self._code[id(fn)] = piece.direct.wrapper if piece.direct is not None else ""
+            wrapper = piece.direct.wrapper if piece.direct is not None else ""
+            self._note(fn, PieceNotes(wrapper, piece.partitions))
+            with contextlib.suppress(TypeError):  # not weakly referable: identical pieces load again
+                self._loaded[handle] = fn
             counters.bump("artifacts_loaded")
-        self._loaded[handle] = fn
         return fn
 
     def _callable(self, piece: kernels.PieceFile, artifact: Any, name: str) -> Callable[..., Any]:
