@@ -174,8 +174,13 @@ class PiecewiseBackend:
         progress = CompileProgress(self.prefix, len(needed))
         try:
             with turn:
-                for item, fake_args, real_args in calls:
-                    self._build(split_gm, item, fake_args, real_args, progress)
+                try:
+                    for item, fake_args, real_args in calls:
+                        self._build(split_gm, item, fake_args, real_args, progress)
+                finally:
+                    # One index write for the turn (not one per piece or link: that made a cold
+                    # start quadratic in the layers), before the turn lets sibling ranks read it.
+                    self.manager.flush()
         finally:
             progress.close()
         self.phases["compile"] = time.perf_counter() - built

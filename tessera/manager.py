@@ -113,13 +113,18 @@ class CompilerManager:
         record = None
         if self.store is not None and handle is not None:
             counters.bump("cache_misses")
-            # Recorded only now, after the artifact is complete on disk: a process that dies
-            # mid-compile leaves no index entry for a later process to trust.
+            # Recorded only now, after the artifact is complete on disk (and written to the index
+            # at the end of the turn): a process that dies mid-compile leaves nothing to trust.
             record = self._write(lambda store: store.record_artifact(key, str(handle), content))
         outcome = CompileOutcome(fn, time.perf_counter() - start, "compiled", record)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome
+
+    def flush(self) -> None:
+        """Write what this turn recorded to the entry's index: once, however many pieces."""
+        if self.store is not None:
+            self._write(lambda store: store.flush())
 
     def _write(self, update: Callable[[CacheEntry], Any]) -> Any:
         """Apply ``update`` to the entry; on failure (disk full, read-only) warn once, stop using

@@ -2,7 +2,9 @@
 
 ``<root>/<key[:10]>/rank_<r>_<dp>/<prefix>/`` holds index.py, cache_key_factors.json,
 computation_graph.py, model_artifact.pkl, sources/ and artifacts/ (compiled pieces, by content).
-Every write is atomic (temp file + ``os.replace``); index updates are serialised by a file lock.
+Every write is atomic (temp file + ``os.replace``); index updates are serialised by a file lock
+and batched: what a process records is written once when the entry is opened, once per compile
+turn (``flush``) and once with the whole-model artifact, however many pieces it links.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class CacheEntry:
         self.factors = dict(factors)
         self.index = Index(created=time.time())
         self.existed = False
+        self._dirty = False  # self.index holds records not yet written (see flush)
         self._lock = filelock.FileLock(str(path / ".lock"))
         # Files whose checksum this process verified, with the stat they had then: identical
         # layers share one file, which is hashed once per start, not once per layer.
@@ -203,18 +206,23 @@ class CacheEntry:
 
     # -- opening -------------------------------------------------------------------------------
     def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
-        self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
         trust.make_dir(self.path / ARTIFACTS)
         self._mark_in_use()
-        self._read_or_reset_index()
-        factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
-        self._ensure_file(FACTORS, factors_text.encode())
-        self._ensure_file(GRAPH, graph_dump.encode())
-        for source in sources:  # snapshots for `cache explain`, checked like every other file
-            with contextlib.suppress(OSError):
-                content = Path(source.path).read_bytes()
-                if hashlib.sha256(content).hexdigest() == source.sha256:
-                    self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
+        # Under the entry's lock: a process opening the entry at the same time waits, then finds
+        # the index and the side files it vouches for, written together (one index write). So a
+        # missing index beside side files is damage, never another process's half-made entry.
+        with self._locked_if_possible():
+            self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
+            self._read_or_reset_index()
+            factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
+            self._ensure_file(FACTORS, factors_text.encode())
+            self._ensure_file(GRAPH, graph_dump.encode())
+            for source in sources:  # snapshots for `cache explain`, checked like every other file
+                with contextlib.suppress(OSError):
+                    content = Path(source.path).read_bytes()
+                    if hashlib.sha256(content).hexdigest() == source.sha256:
+                        self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
+            self.flush()
 
     def _read_or_reset_index(self) -> None:
         problem = self._load_index()
@@ -222,11 +230,8 @@ class CacheEntry:
             return
         if self.existed:
             self.report_damage(INDEX, problem)
-        with self._lock:
-            # Another process may have written a good index since we looked: never clobber it.
-            if self._load_index() is not None:
-                self.index = Index(created=time.time())
-                self._write_index()
+        self.index = Index(created=time.time())  # written by _open's flush
+        self._dirty = True
 
     def _load_index(self) -> str | None:
         """Read the index; return the problem if it cannot be trusted."""
@@ -257,8 +262,8 @@ class CacheEntry:
         self._record_file(name, digest)
 
     def _record_file(self, name: str, digest: str) -> None:
-        with self._updating_index():
-            self.index.files[name] = digest
+        self.index.files[name] = digest
+        self._dirty = True
 
     def _mark_in_use(self) -> None:
         """Hold a shared lock on the entry's marker for the life of the process (prune skips it).
@@ -298,15 +303,24 @@ class CacheEntry:
 
     @contextlib.contextmanager
     def _updating_index(self) -> Iterator[None]:
-        """Change ``self.index`` under the lock, merged with what other processes recorded."""
+        """Change ``self.index`` under the lock, merged with what other processes recorded, and
+        write it (with every record not yet written) once."""
         with self._lock:
             with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
                 self.index = self.index.merged_with(read_index(self.path))
             yield
             self._write_index()
 
+    def flush(self) -> None:
+        """Write what this process recorded since the last write, merged under the lock with what
+        other processes recorded: one atomic write however many records (OSError if it fails)."""
+        if self._dirty:
+            with self._updating_index():
+                pass
+
     def _write_index(self) -> None:
         atomic_write(self.path / INDEX, self.index.format().encode())
+        self._dirty = False
 
     # -- artifacts -----------------------------------------------------------------------------
     def reload(self) -> None:
@@ -315,7 +329,8 @@ class CacheEntry:
             self.index = self.index.merged_with(read_index(self.path))
 
     def record_artifact(self, key: IndexKey, written: str, content: str) -> ArtifactRecord:
-        """Move a freshly written artifact to its content address and record it in the index.
+        """Move a freshly written artifact to its content address and record it in the index
+        (written by the next ``flush``: the artifact is complete on disk before it is vouched for).
 
         ``written`` is the file the compiler wrote (relative to the entry); "" records an
         artifact with nothing on disk (the eager compiler's).
@@ -334,15 +349,15 @@ class CacheEntry:
             record = ArtifactRecord(relative, sha, size, content)
         else:
             record = ArtifactRecord("", "", 0, content)
-        with self._updating_index():
-            self.index.entries[key] = record
+        self.index.entries[key] = record
+        self._dirty = True
         return record
 
     def link_artifacts(self, records: Mapping[IndexKey, ArtifactRecord]) -> None:
         """Record that each key is served by an artifact already in the entry (an identical
-        piece, or one taken from a sibling rank): one index write for all of them."""
-        with self._updating_index():
-            self.index.entries.update(records)
+        piece, or one taken from a sibling rank); written by the next ``flush``."""
+        self.index.entries.update(records)
+        self._dirty = True
 
     def check(self, record: FileRecord) -> str | None:
         """``check_file``, hashing each unchanged file at most once in this process."""
