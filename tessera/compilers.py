@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters, kernels
-from tessera.cache.key import machine_factors, machine_key
+from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
 from tessera.errors import ArtifactDamaged, CompilerError, ConfigError
@@ -87,6 +87,7 @@ class EagerCompiler:
     name = "eager"
 
     def compute_hash(self) -> str:
+        # A version tag, not factors: the eager compiler's output depends on nothing but the graph.
         return hashlib.sha256(b"tessera-eager-v1").hexdigest()
 
     def initialize_cache(self, cache_dir: Path | None) -> None:
@@ -170,13 +171,19 @@ class InductorCompiler:
             "machine": machine_factors(),
         }
 
+    def key_record(self) -> KeyRecord:
+        """Everything about this compiler that changes its output (imports Inductor's config)."""
+        return KeyRecord.of(
+            "compiler", {**self._base_factors(), "inductor_config": _compat.inductor_config_repr()}
+        )
+
     def compute_hash(self) -> str:
-        factors = {**self._base_factors(), "inductor_config": _compat.inductor_config_repr()}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return self.key_record().digest
 
     def warm_hash(self) -> str:
-        factors = {**self._base_factors(), "inductor_overrides": _compat.inductor_config_overrides()}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        """For the model fingerprint: Inductor's overridden settings only, read without importing it."""
+        overrides = _compat.inductor_config_overrides()
+        return KeyRecord.of("compiler", {**self._base_factors(), "inductor_overrides": overrides}).digest
 
     def initialize_cache(self, cache_dir: Path | None) -> None:
         self.cache_dir = cache_dir

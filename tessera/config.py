@@ -6,14 +6,15 @@ Fields that change compiled code enter ``compute_hash()``; paths and switches th
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.cache.key import KeyRecord
 
 MODES = ("none", "stock", "trace_once", "piecewise")
 BUILTIN_BACKENDS = ("inductor", "eager")
@@ -199,9 +200,14 @@ class CompileConfig:
         }
 
     def compute_hash(self) -> str:
-        """sha256 of ``hash_factors()``: equal configs give equal hashes in every process."""
-        blob = json.dumps(self.hash_factors(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """The digest of ``key_record()``: equal configs give equal hashes in every process."""
+        return self.key_record().digest
+
+    def key_record(self) -> KeyRecord:
+        """``hash_factors()`` as a key record (cache/key.py's one hasher)."""
+        from tessera.cache.key import KeyRecord  # imported here: cache.key imports this module
+
+        return KeyRecord.of("config", self.hash_factors())
 
 
 def op_name(op: SplittingOp) -> str:

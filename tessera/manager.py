@@ -20,7 +20,7 @@ import torch.fx
 from tessera import counters
 from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
-from tessera.cache.key import sha256_json
+from tessera.cache.key import KeyRecord
 from tessera.cache.store import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
@@ -59,19 +59,24 @@ class CompilerManager:
         compiler.initialize_cache(store.path if store is not None else None)
 
     def content_key(self, piece_content: str, size: Size) -> str:
-        """What identifies one artifact of a piece: its content, the size, the compiler and config."""
+        """What identifies one artifact of a piece: its content, the size, the compiler and config
+        (identical pieces, such as transformer layers, get one artifact)."""
+        return self.artifact_key(piece_content, size).digest
+
+    def artifact_key(self, piece_content: str, size: Size) -> KeyRecord:
         if self._compiler_hash is None:
             self._compiler_hash = self.compiler.compute_hash()
         factors = self.config.hash_factors()
-        return sha256_json(
-            [
-                piece_content,
-                size_key(size),
-                self.compiler.name,
-                self._compiler_hash,
-                factors["inductor_config"],
-                factors["passes"],
-            ]
+        return KeyRecord.of(
+            "artifact",
+            {
+                "piece": piece_content,
+                "size": size_key(size),
+                "compiler": self.compiler.name,
+                "compiler_hash": self._compiler_hash,
+                "inductor_config": factors["inductor_config"],
+                "passes": factors["passes"],
+            },
         )
 
     def get(

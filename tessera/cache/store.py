@@ -27,12 +27,12 @@ import platformdirs
 from tessera.cache import index as index_
 from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
-from tessera.cache.key import SourceFile, compute_key
+from tessera.cache.key import SourceFile, entry_key
 from tessera.errors import CacheWarning
 
 log = logging.getLogger(__name__)
 
-INDEX = "index.py"
+INDEX = index_.FILE
 FACTORS = "cache_key_factors.json"
 GRAPH = "computation_graph.py"
 MODEL = "model_artifact.pkl"
@@ -119,18 +119,18 @@ def check_file(base: Path, record: FileRecord) -> str | None:
     return None
 
 
-def read_index(path: Path) -> Index:
-    """The index of the entry at ``path``; OSError / ValueError / SyntaxError if unreadable."""
-    return index_.parse((path / INDEX).read_text(encoding="utf-8"))
+read_index = index_.read  # the entry's index (index.py owns reading and merging it)
 
 
 class CacheEntry:
     """One model's directory in the cache, opened by this process."""
 
-    def __init__(self, path: Path, factors: Mapping[str, Any], key: str) -> None:
+    def __init__(self, path: Path, factors: Mapping[str, Any], key: str | None = None) -> None:
         self.path = path
-        self.key = key
-        self.factors = dict(factors)
+        self.key_record = entry_key(factors)  # its factors are cache_key_factors.json
+        # The full digest; ``key`` only names an entry a test makes by hand (create and
+        # open_existing key every entry by its factors).
+        self.key = key if key is not None else self.key_record.digest
         self.index = Index(created=time.time())
         self.existed = False
         self._dirty = False  # self.index holds records not yet written (see flush)
@@ -153,15 +153,15 @@ class CacheEntry:
         None, after one CacheWarning, when the entry cannot be used: not writable (permissions,
         read-only, disk full, a file in the way) or not trusted (see trust.py).
         """
-        key = compute_key(factors)
-        path = entry_path(root, key, prefix)
+        key = entry_key(factors)
+        path = entry_path(root, key.digest, prefix)
         try:
             trust.make_dir(path / ARTIFACTS)
             untrusted = trust.chain_problem(root, path)
             if untrusted is not None:
                 trust.warn_once(untrusted[0], untrusted[1], "not using it; compiling without the cache")
                 return None
-            entry = cls(path, factors, key)
+            entry = cls(path, key.factors)
             entry._open(graph_dump, sources)
         except OSError as e:
             trust.warn_once(Path(e.filename or path), _cause(e), "compiling without the cache")
@@ -180,11 +180,7 @@ class CacheEntry:
         if untrusted is not None:
             trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
             raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
-        try:
-            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            factors = None
-        entry = cls(path, factors if isinstance(factors, dict) else {}, path.parent.parent.name)
+        entry = cls(path, {}, path.parent.parent.name)  # keyed once its files are verified
         entry.existed = True
         problem = entry._load_index()
         if problem is not None:
@@ -201,6 +197,14 @@ class CacheEntry:
                 problem = "missing" if actual is None else "content does not match its key"
                 entry.report_damage(name, problem)
                 raise EntryUnusable(f"{name} is {problem}")
+        try:
+            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise EntryUnusable(f"{FACTORS} is unreadable ({type(e).__name__})") from e
+        key = entry_key(factors) if isinstance(factors, dict) else None
+        if key is None or key.digest[:10] != path.parent.parent.name:
+            raise EntryUnusable(f"{FACTORS} does not hash to the key it is filed under")
+        entry.key_record, entry.key = key, key.digest
         entry._mark_in_use()
         return entry
 
@@ -214,7 +218,7 @@ class CacheEntry:
         with self._locked_if_possible():
             self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
             self._read_or_reset_index()
-            factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
+            factors_text = json.dumps(self.key_record.factors, indent=2, sort_keys=True) + "\n"
             self._ensure_file(FACTORS, factors_text.encode())
             self._ensure_file(GRAPH, graph_dump.encode())
             for source in sources:  # snapshots for `cache explain`, checked like every other file
@@ -306,8 +310,7 @@ class CacheEntry:
         """Change ``self.index`` under the lock, merged with what other processes recorded, and
         write it (with every record not yet written) once."""
         with self._lock:
-            with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
-                self.index = self.index.merged_with(read_index(self.path))
+            self.index = index_.merged_with_file(self.index, self.path)
             yield
             self._write_index()
 
@@ -325,8 +328,7 @@ class CacheEntry:
     # -- artifacts -----------------------------------------------------------------------------
     def reload(self) -> None:
         """Read the index again (other processes, or a fetch from the remote tier, added to it)."""
-        with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
-            self.index = self.index.merged_with(read_index(self.path))
+        self.index = index_.merged_with_file(self.index, self.path)
 
     def record_artifact(self, key: IndexKey, written: str, content: str) -> ArtifactRecord:
         """Move a freshly written artifact to its content address and record it in the index
@@ -374,6 +376,10 @@ class CacheEntry:
         if problem is None and stamp is not None:
             self._verified[(record.file, record.sha256)] = stamp
         return problem
+
+    @property
+    def factors(self) -> Mapping[str, Any]:
+        return self.key_record.factors
 
     def forget(self, key: IndexKey) -> None:
         self.index.entries.pop(key, None)
