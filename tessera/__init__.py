@@ -12,12 +12,14 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "ArtifactDamaged": "tessera.errors",
     "CacheError": "tessera.errors",
     "CompileConfig": "tessera.config",
     "CompileReport": "tessera.report",
     "CompiledModel": "tessera.api",
     "CompilerError": "tessera.errors",
     "ConfigError": "tessera.errors",
+    "FallbackWarning": "tessera.errors",
     "GradientsNotSupportedError": "tessera.guards",
     "InputMismatchError": "tessera.guards",
     "PieceRecord": "tessera.piece",
@@ -34,12 +36,14 @@ _EXPORTS = {
 _SUBMODULES = frozenset({"counters", "debug", "hf", "passes"})
 
 __all__ = [
+    "ArtifactDamaged",
     "CacheError",
     "CompileConfig",
     "CompileReport",
     "CompiledModel",
     "CompilerError",
     "ConfigError",
+    "FallbackWarning",
     "GradientsNotSupportedError",
     "InputMismatchError",
     "PieceRecord",
@@ -61,9 +65,11 @@ if TYPE_CHECKING:
     from tessera.api import CompiledModel, compile
     from tessera.config import CompileConfig, SizeRange
     from tessera.errors import (
+        ArtifactDamaged,
         CacheError,
         CompilerError,
         ConfigError,
+        FallbackWarning,
         SizeNotCompiledError,
         TesseraError,
         TesseraWarning,

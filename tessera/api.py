@@ -31,7 +31,7 @@ from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.key import fingerprint
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
-from tessera.compilers import make_compiler, stock_backend, warm_hash
+from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import (
     ConfigError,
@@ -105,6 +105,7 @@ def compile(
         )
     if config.backend == "inductor" or config.mode == "stock":
         validation.check_inductor_keys(config.inductor_config)
+    check_backend(config)  # a custom compiler that does not import fails here, not at the first call
     _warn_if_untested_torch()
     compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)
     if dynamic_dims is not None:
@@ -406,7 +407,11 @@ class CompiledModel:
                 backend, call, spec = PiecewiseBackend.from_artifact(
                     self.compile_config, compiler, root, prefix, print_, self._entry
                 )
-                args, kwargs = self._fits(spec, args, kwargs)
+                try:
+                    args, kwargs = self._fits(spec, args, kwargs)
+                except WarmStartUnavailable:
+                    counters.bump("warm_start_fallbacks")  # an artifact there, not for this call
+                    raise
             except model_artifact.OtherPath as e:
                 known_path = e  # graph breaks or sizes the code fixes: no one-graph trace to try
                 self.warm_start_refused = str(e)

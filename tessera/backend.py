@@ -45,12 +45,13 @@ from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.debug.dumps import Dumps
-from tessera.errors import TesseraWarning
+from tessera.errors import CompilerError, FallbackWarning, TesseraWarning
 from tessera.guards import CallSpec
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
 from tessera.manager import CompileOutcome, CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
 from tessera.progress import CompileProgress
+from tessera.report import Fallback
 from tessera.split import (
     SplitItem,
     SplitMatcher,
@@ -186,8 +187,13 @@ class PiecewiseBackend:
         progress = CompileProgress(self.prefix, len(needed))
         try:
             with COMPILE_LOCK, turn:
-                for item, fake_args, real_args in calls:
-                    self._build(split_gm, item, fake_args, real_args, progress, general_only=later)
+                try:
+                    for item, fake_args, real_args in calls:
+                        self._build(split_gm, item, fake_args, real_args, progress, general_only=later)
+                finally:
+                    # One index write for the turn (not one per piece or link: that made a cold
+                    # start quadratic in the layers), before the turn lets sibling ranks read it.
+                    self.manager.flush()
         finally:
             progress.close()
         if not self._later:
@@ -296,8 +302,9 @@ class PiecewiseBackend:
                     )
                     self.outcomes.append((item.name, size, outcome))
                     self._record_stage(item, size, outcome)
-            if then is not None:
-                with COMPILE_LOCK:
+            with COMPILE_LOCK:
+                self.manager.flush()  # the background's artifacts in the index, in one write
+                if then is not None:
                     then()
         except Exception as e:  # the general artifacts keep serving: said once, and in the report
             self.background_status = f"failed: {type(e).__name__}: {e}"
@@ -352,12 +359,33 @@ class PiecewiseBackend:
         """A complete backend, the traced frame's callable and what the trace assumed of a call,
         rebuilt from the whole-model artifact.
 
-        Raises WarmStartUnavailable (the reason) without side effects on any other backend.
+        Raises WarmStartUnavailable (the reason) without side effects on any other backend; a
+        refusal of an artifact that was found is a fallback, counted (``warm_start_fallbacks``) and,
+        when it is not damage or a changed model, warned once. A compiler whose ``load`` fails on a
+        sound file raises ``CompilerError`` (see manager.py): tracing again would not cure it.
         """
+        try:
+            entry_path = model_artifact.read_pointer(cache_root, fingerprint)
+            if entry_path is None:
+                raise model_artifact.NoArtifactYet("no whole-model artifact for this model yet")
+            return cls._from_entry(config, compiler, cache_root, prefix, entry_path, entry)
+        except (model_artifact.NoArtifactYet, model_artifact.OtherPath):
+            raise  # a cold start, or a model recorded to run on another path: no fallback
+        except WarmStartUnavailable:
+            counters.bump("warm_start_fallbacks")
+            raise
+
+    @classmethod
+    def _from_entry(
+        cls,
+        config: CompileConfig,
+        compiler: Compiler,
+        cache_root: Path,
+        prefix: str,
+        entry_path: Path,
+        entry: types.FunctionType,
+    ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
         start = time.perf_counter()
-        entry_path = model_artifact.read_pointer(cache_root, fingerprint)
-        if entry_path is None:
-            raise WarmStartUnavailable("no whole-model artifact for this model yet")
         try:
             store = CacheEntry.open_existing(entry_path)
             data = store.read_model()
@@ -372,10 +400,12 @@ class PiecewiseBackend:
         backend.artifact_status = "loaded"
         try:
             call = backend._rebuild(saved, entry)
-        except WarmStartUnavailable:
+        except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
             raise
-        except Exception as e:  # whatever stops the rebuild costs one trace, never the process
-            raise WarmStartUnavailable(f"the artifact does not rebuild here ({type(e).__name__}: {e})") from e
+        except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
+            reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
+            _warn_bug_once(reason, entry_path)
+            raise WarmStartUnavailable(reason) from e
         counters.bump("pieces", len(backend.order))
         counters.bump("compiled_pieces", len(saved.pieces))
         backend.ready.set()  # every size was in the artifact
@@ -401,8 +431,8 @@ class PiecewiseBackend:
             artifacts = {}
             for size in (None, *record.sizes, *record.ranges):
                 outcome = self.manager.load_only(graph, size, record.index)  # type: ignore[arg-type]
-                if outcome is None:
-                    raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): its artifact is missing")
+                if isinstance(outcome, str):
+                    raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
                 artifacts[size] = outcome.fn
                 self.outcomes.append((record.name, size, outcome))
             attributes[record.name] = self._install_runner(
@@ -536,12 +566,34 @@ class PiecewiseBackend:
         return self.manager.loaded
 
     @property
+    def fallbacks(self) -> tuple[Fallback, ...]:
+        """Piece artifacts the cache held that could not serve, and why (each obtained again)."""
+        return tuple(self.manager.fallbacks)
+
+    @property
     def compiled(self) -> int:
         return self.manager.compiled
 
 
 def _as_is(values: Sequence[Any]) -> Sequence[Any]:
     return values
+
+
+_WARNED_BUGS: set[str] = set()  # rebuild failures already warned about by this process
+
+
+def _warn_bug_once(reason: str, entry_path: Path) -> None:
+    """One FallbackWarning per distinct failure per process (each is counted, warned or not)."""
+    if reason in _WARNED_BUGS:
+        return
+    _WARNED_BUGS.add(reason)
+    warnings.warn(
+        f"tessera: the whole-model artifact in {entry_path} was not used: {reason}. This is neither "
+        "damage nor a changed model, so it is likely a bug; the model was traced instead and results "
+        "are unaffected. Please report it with this message",
+        FallbackWarning,
+        stacklevel=4,
+    )
 
 
 def _partitions(compiler: Compiler, fn: Callable[..., Any] | None) -> int | None:

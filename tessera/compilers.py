@@ -7,6 +7,7 @@ as a piece file that also loads without Inductor, see kernels.py). A user's own 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -15,7 +16,9 @@ import logging
 import os
 import platform
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,10 +26,10 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters, kernels
-from tessera.cache.key import machine_factors, machine_key
+from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
-from tessera.errors import CompilerError, ConfigError
+from tessera.errors import ArtifactDamaged, CompilerError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class EagerCompiler:
     name = "eager"
 
     def compute_hash(self) -> str:
+        # A version tag, not factors: the eager compiler's output depends on nothing but the graph.
         return hashlib.sha256(b"tessera-eager-v1").hexdigest()
 
     def initialize_cache(self, cache_dir: Path | None) -> None:
@@ -112,6 +116,14 @@ class EagerCompiler:
         return graph.forward
 
 
+@dataclass(frozen=True)
+class PieceNotes:
+    """What debug dumps and piece records read about one compiled callable."""
+
+    code: str  # the Python code that runs it (Inductor's output code)
+    partitions: int  # functions Inductor's graph partition made of it (0: none)
+
+
 class InductorCompiler:
     """Inductor's standalone compile; each artifact is one piece file (see kernels.PieceFile)."""
 
@@ -121,17 +133,33 @@ class InductorCompiler:
     def __init__(self) -> None:
         self.cache_dir: Path | None = None
         self.machine_record: Path | None = None
-        self._loaded: dict[str, Callable[..., Any]] = {}
-        self._partitions: dict[int, int] = {}  # id(callable) -> Inductor's partitions of it
-        self._code: dict[int, str] = {}  # id(callable) -> the Python code that runs it
+        # Both maps hold the callables weakly: a piece's callable lives as long as the runners that
+        # call it, and its notes (its source) go with it. Keyed by the object, never by id(): a
+        # freed callable's id is reused by later objects, which must not find its notes.
+        self._loaded: weakref.WeakValueDictionary[str, Callable[..., Any]] = weakref.WeakValueDictionary()
+        self._notes: weakref.WeakKeyDictionary[Callable[..., Any], PieceNotes] = weakref.WeakKeyDictionary()
 
     def output_code(self, fn: Callable[..., Any]) -> str | None:
         """Inductor's output code behind ``fn`` (for debug dumps), when known."""
-        return self._code.get(id(fn))
+        notes = self._notes_of(fn)
+        return notes.code if notes is not None else None
 
     def partitions_of(self, fn: Callable[..., Any]) -> int | None:
         """How many partitions Inductor's output code for ``fn`` has (graph_partition mode)."""
-        return self._partitions.get(id(fn))
+        notes = self._notes_of(fn)
+        return notes.partitions if notes is not None else None
+
+    def _notes_of(self, fn: Callable[..., Any]) -> PieceNotes | None:
+        try:
+            return self._notes.get(fn)
+        except TypeError:  # not weakly referable: nothing was noted for it
+            return None
+
+    def _note(self, fn: Callable[..., Any], notes: PieceNotes) -> None:
+        try:
+            self._notes[fn] = notes
+        except TypeError:  # not weakly referable (not one of ours): dumps show the FX code instead
+            log.debug("no notes kept for %r: it cannot be weakly referenced", fn)
 
     def _base_factors(self) -> dict[str, Any]:
         return {
@@ -143,13 +171,19 @@ class InductorCompiler:
             "machine": machine_factors(),
         }
 
+    def key_record(self) -> KeyRecord:
+        """Everything about this compiler that changes its output (imports Inductor's config)."""
+        return KeyRecord.of(
+            "compiler", {**self._base_factors(), "inductor_config": _compat.inductor_config_repr()}
+        )
+
     def compute_hash(self) -> str:
-        factors = {**self._base_factors(), "inductor_config": _compat.inductor_config_repr()}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        return self.key_record().digest
 
     def warm_hash(self) -> str:
-        factors = {**self._base_factors(), "inductor_overrides": _compat.inductor_config_overrides()}
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
+        """For the model fingerprint: Inductor's overridden settings only, read without importing it."""
+        overrides = _compat.inductor_config_overrides()
+        return KeyRecord.of("compiler", {**self._base_factors(), "inductor_overrides": overrides}).digest
 
     def initialize_cache(self, cache_dir: Path | None) -> None:
         self.cache_dir = cache_dir
@@ -192,9 +226,8 @@ class InductorCompiler:
         piece = kernels.package(artifact, graph, example_inputs, standard)
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
-        self._partitions[id(fn)] = piece.partitions
         compiled = _compat.find_compiled_graph(artifact)
-        self._code[id(fn)] = compiled.source_code if compiled is not None else ""
+        self._note(fn, PieceNotes(compiled.source_code if compiled is not None else "", piece.partitions))
         handle = None
         if self.cache_dir is not None and (piece.standard or piece.direct is not None):
             try:
@@ -217,19 +250,20 @@ class InductorCompiler:
     ) -> Callable[..., Any]:
         assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
         if not isinstance(handle, str) or not handle:
-            raise CompilerError(f"inductor artifact handle must be a file name, got {handle!r}")
+            raise ArtifactDamaged(f"inductor artifact handle must be a file name, got {handle!r}")
         fn = self._loaded.get(handle)
         if fn is None:
             # Files are content-addressed: identical pieces (transformer layers) load once.
             try:
                 piece = kernels.PieceFile.from_bytes((self.cache_dir / handle).read_bytes())
-            except (ValueError, KeyError, TypeError) as e:
-                raise CompilerError(f"{handle} is not a tessera piece file: {e}") from e
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+                raise ArtifactDamaged(f"{handle} is not a tessera piece file: {e}") from e
             fn = self._callable(piece, None, handle)
-            self._partitions[id(fn)] = piece.partitions
-            self._code[id(fn)] = piece.direct.wrapper if piece.direct is not None else ""
+            wrapper = piece.direct.wrapper if piece.direct is not None else ""
+            self._note(fn, PieceNotes(wrapper, piece.partitions))
+            with contextlib.suppress(TypeError):  # not weakly referable: identical pieces load again
+                self._loaded[handle] = fn
             counters.bump("artifacts_loaded")
-        self._loaded[handle] = fn
         return fn
 
     def _callable(self, piece: kernels.PieceFile, artifact: Any, name: str) -> Callable[..., Any]:
@@ -302,27 +336,21 @@ def _standard_bytes(artifact: Any) -> bytes:
 
 
 def make_compiler(backend: str) -> Compiler:
-    """The compiler a ``CompileConfig.backend`` names."""
+    """The compiler a ``CompileConfig.backend`` names; ``CompilerError`` if it cannot be had."""
     if backend == "eager":
         return EagerCompiler()
     if backend == "inductor":
         return InductorCompiler()
-    if backend == "inductor_fx":
-        # The FX-graph-cache adaptor (artifacts found through Inductor's own cache with an
-        # always-hit shape env) exists for torch < 2.8, which has no standalone compile. tessera
-        # needs torch >= 2.11, where 'inductor' does the same job through a public API; the
-        # private cache internals it would patch change between 2.11 and 2.13.
-        raise CompilerError(
-            f"backend='inductor_fx' serves torch < 2.8 (Inductor's FX graph cache); this torch "
-            f"({torch.__version__}) has standalone compile: use backend='inductor'"
-        )
     module_name, sep, class_name = backend.partition(":")
     if not sep or not module_name or not class_name:
         raise CompilerError(f"backend={backend!r}: expected 'inductor', 'eager' or 'module:Class'")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:
-        raise CompilerError(f"backend={backend!r}: cannot import {class_name} from {module_name}") from e
+        raise CompilerError(
+            f"backend={backend!r}: cannot import {class_name} from {module_name} ({e}); check the "
+            "module is importable here and defines the class"
+        ) from e
     compiler = cls()
     missing = [m for m in ("compute_hash", "initialize_cache", "compile", "load") if not hasattr(compiler, m)]
     if missing or not isinstance(getattr(compiler, "name", None), str):
@@ -333,13 +361,26 @@ def make_compiler(backend: str) -> Compiler:
     return compiler  # type: ignore[no-any-return]
 
 
-def stock_backend(name: str) -> Callable[..., Any]:
-    """torch.compile's own ``name`` backend for mode="stock", counting what it traces and compiles."""
+def check_backend(config: CompileConfig) -> None:
+    """Refuse now (at ``tessera.compile``) a backend the first call could not use: a custom
+    compiler that does not import, or one ``mode='stock'`` cannot run."""
+    if config.mode == "stock":
+        _check_stock(config.backend)
+    elif config.mode != "none":
+        make_compiler(config.backend)
+
+
+def _check_stock(name: str) -> None:
     if name not in ("inductor", "eager"):
         raise ConfigError(
             f"mode='stock' runs torch.compile's own backends; backend={name!r} needs "
             "mode='piecewise' or 'trace_once', or use backend='inductor' or 'eager'"
         )
+
+
+def stock_backend(name: str) -> Callable[..., Any]:
+    """torch.compile's own ``name`` backend for mode="stock", counting what it traces and compiles."""
+    _check_stock(name)
     inner = _compat.dynamo().lookup_backend(name)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

@@ -6,17 +6,23 @@ Fields that change compiled code enter ``compute_hash()``; paths and switches th
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
 
+if TYPE_CHECKING:
+    from tessera.cache.key import KeyRecord
+
 MODES = ("none", "stock", "trace_once", "piecewise")
-BUILTIN_BACKENDS = ("inductor", "eager", "inductor_fx")
+BUILTIN_BACKENDS = ("inductor", "eager")
+# Backends tessera once named and no longer serves, with what to use instead.
+RETIRED_BACKENDS = {
+    "inductor_fx": "served torch < 2.8 through Inductor's FX graph cache; tessera needs torch >= 2.11, "
+    "where standalone compile does the same job through a public API: use backend='inductor'",
+}
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 DYNAMIC_SHAPES = ("backed", "unbacked", "backed_size_oblivious")
 
@@ -67,7 +73,7 @@ class CompileConfig:
     )
     backend: str = field(
         default_factory=lambda: v.env_value(
-            "BACKEND", "inductor", check=lambda b: v.check_backend(b, BUILTIN_BACKENDS)
+            "BACKEND", "inductor", check=lambda b: v.check_backend(b, BUILTIN_BACKENDS, RETIRED_BACKENDS)
         )
     )
     splitting_ops: Sequence[SplittingOp] | None = None
@@ -109,7 +115,7 @@ class CompileConfig:
     def __post_init__(self) -> None:
         # Checked, then normalised to tuples so the frozen record cannot be mutated through a list.
         v.check_choice("mode", self.mode, MODES)
-        v.check_backend(self.backend, BUILTIN_BACKENDS)
+        v.check_backend(self.backend, BUILTIN_BACKENDS, RETIRED_BACKENDS)
         v.check_choice("cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
         v.check_max_size(self.max_size)
         v.check_bool("disable_cache", self.disable_cache)
@@ -199,9 +205,14 @@ class CompileConfig:
         }
 
     def compute_hash(self) -> str:
-        """sha256 of ``hash_factors()``: equal configs give equal hashes in every process."""
-        blob = json.dumps(self.hash_factors(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()
+        """The digest of ``key_record()``: equal configs give equal hashes in every process."""
+        return self.key_record().digest
+
+    def key_record(self) -> KeyRecord:
+        """``hash_factors()`` as a key record (cache/key.py's one hasher)."""
+        from tessera.cache.key import KeyRecord  # imported here: cache.key imports this module
+
+        return KeyRecord.of("config", self.hash_factors())
 
 
 def op_name(op: SplittingOp) -> str:

@@ -21,6 +21,10 @@ NAMES = (
     "artifacts_saved",
     "artifacts_loaded",
     "cudagraphs_captured",
+    # Fallbacks (report.Fallback): a piece artifact the index vouched for but that could not serve
+    # (damaged, untrusted) was obtained again; a whole-model artifact was found but not used.
+    "artifact_fallbacks",
+    "warm_start_fallbacks",
 )
 
 _lock = threading.Lock()

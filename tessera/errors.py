@@ -37,6 +37,12 @@ class CompilerError(TesseraError):
     """A compiler adaptor failed, or a custom ``module:Class`` compiler could not be loaded."""
 
 
+class ArtifactDamaged(CompilerError):
+    """Raised by a compiler's ``load`` when the bytes it was handed are not an artifact it can read
+    (a parse or unpickle error). tessera reports the file as cache damage and recompiles the piece;
+    anything else ``load`` raises is a failure of the loader, raised as a ``CompilerError``."""
+
+
 class CacheError(TesseraError):
     """The persistent cache could not be used (a problem tessera cannot heal by recompiling)."""
 
@@ -49,6 +55,12 @@ class TesseraWarning(UserWarning):
 class CacheWarning(TesseraWarning):
     """A cache root or entry could not be used (unwritable, full, not trusted); the model runs
     without that part of the cache."""
+
+
+class FallbackWarning(TesseraWarning):
+    """tessera took a slower path (a trace instead of the whole-model artifact) because of an
+    unexpected error, not damage or a changed model: results stay correct, but the error is most
+    likely a bug worth reporting. Warned once per error per process; every fallback is counted."""
 
 
 class UntestedTorchWarning(TesseraWarning):

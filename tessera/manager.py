@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -19,12 +20,18 @@ import torch.fx
 from tessera import counters
 from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
-from tessera.cache.key import sha256_json
+from tessera.cache.key import KeyRecord
 from tessera.cache.store import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
+from tessera.errors import ArtifactDamaged, CompilerError
+from tessera.report import Fallback
 
 log = logging.getLogger(__name__)
+
+# What a compiler's load raises when the file's bytes are not an artifact (damage: recompile).
+# Anything else is a failure of the loader itself, which a recompile would not cure.
+DAMAGE_ERRORS = (ArtifactDamaged, pickle.UnpicklingError, EOFError)
 
 
 @dataclass(frozen=True)
@@ -48,22 +55,28 @@ class CompilerManager:
         self._by_content: dict[str, CompileOutcome] = {}
         self.loaded = 0
         self.compiled = 0
+        self.fallbacks: list[Fallback] = []  # artifacts the index vouched for that could not serve
         compiler.initialize_cache(store.path if store is not None else None)
 
     def content_key(self, piece_content: str, size: Size) -> str:
-        """What identifies one artifact of a piece: its content, the size, the compiler and config."""
+        """What identifies one artifact of a piece: its content, the size, the compiler and config
+        (identical pieces, such as transformer layers, get one artifact)."""
+        return self.artifact_key(piece_content, size).digest
+
+    def artifact_key(self, piece_content: str, size: Size) -> KeyRecord:
         if self._compiler_hash is None:
             self._compiler_hash = self.compiler.compute_hash()
         factors = self.config.hash_factors()
-        return sha256_json(
-            [
-                piece_content,
-                size_key(size),
-                self.compiler.name,
-                self._compiler_hash,
-                factors["inductor_config"],
-                factors["passes"],
-            ]
+        return KeyRecord.of(
+            "artifact",
+            {
+                "piece": piece_content,
+                "size": size_key(size),
+                "compiler": self.compiler.name,
+                "compiler_hash": self._compiler_hash,
+                "inductor_config": factors["inductor_config"],
+                "passes": factors["passes"],
+            },
         )
 
     def get(
@@ -82,7 +95,10 @@ class CompilerManager:
         counters.bump("backend_compilations")
         key = index_key(size, index, self.compiler.name)
         loaded = self._load(key, graph, size, index)
-        if loaded is not None:
+        if isinstance(loaded, Fallback):
+            counters.bump("artifact_fallbacks")
+            self.fallbacks.append(loaded)
+        elif loaded is not None:
             counters.bump("cache_hits")
             self.loaded += 1
             outcome = CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
@@ -102,13 +118,18 @@ class CompilerManager:
         record = None
         if self.store is not None and handle is not None:
             counters.bump("cache_misses")
-            # Recorded only now, after the artifact is complete on disk: a process that dies
-            # mid-compile leaves no index entry for a later process to trust.
+            # Recorded only now, after the artifact is complete on disk (and written to the index
+            # at the end of the turn): a process that dies mid-compile leaves nothing to trust.
             record = self._write(lambda store: store.record_artifact(key, str(handle), content))
         outcome = CompileOutcome(fn, time.perf_counter() - start, "compiled", record)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome
+
+    def flush(self) -> None:
+        """Write what this turn recorded to the entry's index: once, however many pieces."""
+        if self.store is not None:
+            self._write(lambda store: store.flush())
 
     def _write(self, update: Callable[[CacheEntry], Any]) -> Any:
         """Apply ``update`` to the entry; on failure (disk full, read-only) warn once, stop using
@@ -122,12 +143,14 @@ class CompilerManager:
             self.compiler.initialize_cache(None)
             return None
 
-    def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | None:
-        """The artifact for ``(size, index)`` from the cache, or None; never compiles."""
+    def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | str:
+        """The artifact for ``(size, index)`` from the cache, or why not; never compiles."""
         start = time.perf_counter()
         loaded = self._load(index_key(size, index, self.compiler.name), graph, size, index)
         if loaded is None:
-            return None
+            return "its artifact is missing"
+        if isinstance(loaded, Fallback):
+            return f"its artifact is {loaded.reason}"
         counters.bump("backend_compilations")
         counters.bump("cache_hits")
         self.loaded += 1
@@ -135,23 +158,38 @@ class CompilerManager:
 
     def _load(
         self, key: Any, graph: torch.fx.GraphModule, size: Size, index: int
-    ) -> tuple[Callable[..., Any], ArtifactRecord] | None:
+    ) -> tuple[Callable[..., Any], ArtifactRecord] | Fallback | None:
+        """The recorded artifact for ``key``; None if none is recorded; a Fallback (reported once
+        and forgotten, so that the caller obtains it again) if the file cannot serve.
+
+        A file that passes its checksum but that the compiler's load fails on for another reason
+        than its bytes (``DAMAGE_ERRORS``) is a ``CompilerError``: a loader bug, not damage.
+        """
         if self.store is None:
             return None
         record = self.store.index.entries.get(key)
         if record is None:
             return None
+        subject = f"piece {index} ({size_label(size)}): {record.file or 'nothing on disk'}"
         untrusted = trust.problem(self.store.path / record.file) if record.file else None
         if untrusted is not None:
             trust.warn_once(self.store.path / record.file, untrusted, "not loading it; compiling the piece")
             self.store.forget(key)
-            return None
+            return Fallback("piece artifact", subject, "untrusted", untrusted)
         problem = self.store.check(record)
         if problem is None:
             try:
                 return self.compiler.load(record.file, graph, (), index, size), record
-            except Exception as e:  # a damaged artifact must cost a recompile, never the process
+            except DAMAGE_ERRORS as e:  # the bytes are not an artifact: damage, recompiled
                 problem = f"not loadable ({type(e).__name__}: {str(e)[:120]})"
+            except Exception as e:  # re-raised with the piece and file named, never swallowed
+                raise CompilerError(
+                    f"compiler {self.compiler.name!r} failed to load {self.store.path / record.file} "
+                    f"for piece {index} ({size_label(size)}): {type(e).__name__}: {e}. The file passed "
+                    "its checksum, so this is not cache damage but a failure of the compiler's load() "
+                    "(a bug, or what it needs is missing here), and recompiling would not cure it. Fix "
+                    "the loader, or compile without the cache (disable_cache=True)"
+                ) from e
         self.store.report_damage(record.file, problem)
         self.store.forget(key)
-        return None
+        return Fallback("piece artifact", subject, "damage", problem)

@@ -32,6 +32,17 @@ class ArtifactReport:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """A faster path not taken, and why: a named event, counted in ``tessera.counters``
+    (``artifact_fallbacks``: a piece obtained again; ``warm_start_fallbacks``: a trace)."""
+
+    what: str  # "piece artifact" (obtained again) or "whole-model artifact" (traced instead)
+    subject: str  # which: "piece 3 (general): artifacts/ab12.bin", or the entry
+    cause: str  # "damage" (the file), "untrusted" (its owner or mode), "bug" (an unexpected error)
+    reason: str
+
+
+@dataclass(frozen=True)
 class GraphReport:
     """One graph Dynamo handed to tessera on the guarded path (graph breaks, torch.compile):
     where and why Dynamo ended it, and what tessera made of it."""
@@ -65,6 +76,7 @@ class CompileReport:
     # Serve first, specialise after: the sizes and ranges compiled after the first output.
     background: str = "none"  # "none", "running", "done", or "failed: <why>"
     all_sizes_ready_seconds: float | None = None  # from the first call's start; None until ready
+    fallbacks: tuple[Fallback, ...] = ()  # piece artifacts the cache held but could not serve
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -95,8 +107,16 @@ class CompileReport:
             f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s{later} ({graphs}"
             f"{self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
             f"artifacts: {compiled} compiled, {shared} shared, {loaded} loaded; "
-            f"whole-model artifact {self.whole_model_artifact}; cache {self.cache_entry or 'disabled'})"
+            f"whole-model artifact {self.whole_model_artifact}; {self._fallback_words()}"
+            f"cache {self.cache_entry or 'disabled'})"
         )
+
+    def _fallback_words(self) -> str:
+        counts = dict(self.counters)
+        warm, pieces = counts.get("warm_start_fallbacks", 0), counts.get("artifact_fallbacks", 0)
+        if not (warm or pieces):
+            return ""
+        return f"fallbacks: {warm} warm start, {pieces} piece artifact(s); "
 
 
 def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
@@ -116,8 +136,10 @@ def build_report(
     """The record of a model's first call. ``backend``: its ``PiecewiseBackend`` (None in modes
     without one); ``phases``: what the model measured itself (trace, first call, warm phases)."""
     artifacts: list[ArtifactReport] = []
+    fallbacks: tuple[Fallback, ...] = ()
     if backend is not None:
         # Copies first: a background compile may be adding to them.
+        fallbacks = tuple(backend.fallbacks)
         phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
         for piece, size, outcome in list(backend.outcomes):
             runner = backend.runners.get(piece)
@@ -153,6 +175,7 @@ def build_report(
         total_seconds=total_seconds,
         background=backend.background_status if backend is not None else "none",
         all_sizes_ready_seconds=_all_ready(backend, total_seconds),
+        fallbacks=fallbacks,
     )
 
 
@@ -184,6 +207,7 @@ def merge_graph_reports(
         ),
         pieces=sum(r.pieces for r in reports),
         compiled_pieces=sum(r.compiled_pieces for r in reports),
+        fallbacks=tuple(f for r in reports for f in r.fallbacks),
         whole_model_artifact="not used with graph breaks (Dynamo traces in every process)",
         total_seconds=total_seconds,
         graphs=graphs,

@@ -115,7 +115,9 @@ def check_max_size(value: Any) -> None:
         raise ConfigError(f"max_size={value!r} must be a positive integer or None")
 
 
-def check_backend(value: Any, builtin: Sequence[str]) -> None:
+def check_backend(value: Any, builtin: Sequence[str], retired: Mapping[str, str]) -> None:
+    if isinstance(value, str) and value in retired:
+        raise ConfigError(f"backend={value!r} {retired[value]}")
     if not isinstance(value, str) or (value not in builtin and ":" not in value):
         raise ConfigError(
             f"backend={value!r} is unknown; choose one of {tuple(builtin)} "

@@ -224,10 +224,10 @@ def trace_once(
         ) from e
     except Exception as e:
         # Our backend's own errors (a ConfigError about compile_sizes) reach the user as they are,
-        # not wrapped in Dynamo's BackendCompilerFailed.
+        # not wrapped in Dynamo's BackendCompilerFailed, chained to their own cause as raised.
         inner = _compat.backend_failure(e)
         if isinstance(inner, TesseraError):
-            raise inner from None
+            raise inner from inner.__cause__
         raise
     finally:
         handle.remove()

@@ -48,3 +48,34 @@ class PerturbingCompiler:
 
     def load(self, handle, graph, example_inputs, index, size):
         raise AssertionError("nothing is saved, so nothing is loaded")
+
+
+class SavingCompiler:
+    """Runs graphs and saves each artifact as a small file, so that a warm process loads them.
+
+    ``load_fails_with``: an exception ``load`` raises (a loader bug, or the compiler's own report
+    that the file's bytes are not an artifact).
+    """
+
+    name = "saving"
+    load_fails_with: ClassVar[BaseException | None] = None
+    loads: ClassVar[int] = 0
+
+    def compute_hash(self) -> str:
+        return "saving-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        self.cache_dir = cache_dir
+
+    def compile(self, graph, example_inputs, config, size, key):
+        if self.cache_dir is None:
+            return graph.forward, None
+        (self.cache_dir / key).parent.mkdir(parents=True, exist_ok=True)
+        (self.cache_dir / key).write_bytes(b"saving-compiler artifact v1")
+        return graph.forward, key
+
+    def load(self, handle, graph, example_inputs, index, size):
+        SavingCompiler.loads += 1
+        if SavingCompiler.load_fails_with is not None:
+            raise SavingCompiler.load_fails_with
+        return graph.forward

@@ -213,3 +213,44 @@ def test_a_file_the_index_does_not_vouch_for_yet_is_not_damage(tmp_path):
     (path / GRAPH).write_text("tampered")  # now the index vouches for it: damage
     with pytest.warns(CacheDamagedWarning, match=GRAPH):
         CacheEntry.create(root, "model", factors, "graph v1", [])
+
+
+def _count_index_writes(monkeypatch) -> list[Path]:
+    """Every write of an entry's index file from now on (all go through store.atomic_write)."""
+    from tessera.cache import store
+
+    writes: list[Path] = []
+    real = store.atomic_write
+
+    def counting(path: Path, data: bytes) -> None:
+        if path.name == INDEX:
+            writes.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(store, "atomic_write", counting)
+    return writes
+
+
+def test_index_writes_per_cold_start_do_not_grow_with_identical_layers(monkeypatch):
+    """Linking identical layers, recording pieces and source snapshots are batched: one write when
+    the entry is opened, one per compile turn, one with the whole-model artifact."""
+    writes = _count_index_writes(monkeypatch)
+    per_model = {}
+    for layers in (1, 8):
+        writes.clear()
+        torch._dynamo.reset()
+        tessera.counters.reset()
+        compiled, _ = compile_and_check(layers=layers, backend="eager")
+        assert compiled.report is not None
+        shared = sum(a.source == "shared" for a in compiled.report.artifacts)
+        # The pieces between two attentions are identical: all but the first are links.
+        assert shared == max(0, layers - 2)
+        assert set(writes) == {compiled.cache_dir / INDEX}
+        per_model[layers] = len(writes)
+    assert per_model == {1: 3, 8: 3}
+
+    writes.clear()
+    torch._dynamo.reset()
+    tessera.counters.reset()
+    warm, _ = compile_and_check(layers=8, backend="eager")
+    assert warm.warm_start is True and writes == []  # the index recorded every piece and link

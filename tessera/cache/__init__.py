@@ -1,8 +1,8 @@
 """The persistent, content-addressed compile cache: one package, one module per concern.
 
 ``store`` (entries, atomic writes, locks), ``index`` (the one ``(size, piece, compiler)``
-schema), ``key`` (factors, fingerprints, piece content), ``artifact`` (whole-model artifact),
-``explain`` (why a miss) and ``tools`` (ls / verify / clear / prune).
+schema, read and merged), ``key`` (one ``KeyRecord`` per kind of key, one hasher), ``artifact``
+(whole-model artifact), ``explain`` (why a miss) and ``tools`` (ls / verify / clear / prune).
 """
 
 from __future__ import annotations

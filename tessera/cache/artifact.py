@@ -274,6 +274,10 @@ def write_pointer(root: Path, fingerprint: str, entry_path: Path) -> None:
     atomic_write(pointer_path(root, fingerprint), json.dumps({"entry": relative}).encode())
 
 
+class NoArtifactYet(WarmStartUnavailable):
+    """No whole-model artifact was recorded for this fingerprint: a cold start, not a fallback."""
+
+
 class OtherPath(WarmStartUnavailable):
     """This fingerprint's model runs on a path without a whole-model artifact: ``"guarded"``
     (graph breaks) or ``"per_size"`` (the code fixes a dynamic size). Recorded so that the next

@@ -1,6 +1,7 @@
 """Why a cache entry missed: the factors that differ from its nearest neighbour, in words.
 
-``tessera cache explain`` prints these lines; source files get a one-line diff summary.
+``tessera cache explain`` prints these lines; source files get a one-line diff summary. Each
+entry's factors are read as its key record (cache/key.py), checked against the key it is filed under.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tessera.cache.key import KeyRecord, entry_key
 from tessera.cache.store import FACTORS
 from tessera.cache.tools import entry_info, find_entries
 
@@ -75,12 +77,18 @@ def _diff_summary(old: str | None, new: str | None) -> str:
     return f" (+{added}/-{removed} lines, first hunk {first}: {shown})"
 
 
-def _load_factors(path: Path) -> dict[str, Any] | None:
+def entry_key_of(path: Path) -> KeyRecord | None:
+    """The key record of the entry at ``path``, from its factors file; None if unreadable."""
     try:
         data = json.loads((path / FACTORS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    return entry_key(data) if isinstance(data, dict) else None
+
+
+def _load_factors(path: Path) -> dict[str, Any] | None:
+    record = entry_key_of(path)
+    return dict(record.factors) if record is not None else None
 
 
 def _sources(path: Path) -> dict[str, str]:
@@ -100,13 +108,20 @@ def explain(root: Path, entry: Path | None = None) -> list[str]:
         return [f"no cache entries under {root}"]
     infos = {p: entry_info(p) for p in entries}
     target = entry or max(entries, key=lambda p: infos[p].created)
-    new = _load_factors(target)
-    if new is None:
+    record = entry_key_of(target)
+    if record is None:
         return [f"{target}: no readable {FACTORS}"]
+    new = dict(record.factors)
+    key_lines = [record.debug_lines()[0]]
+    if record.digest[:10] != target.parent.parent.name:
+        key_lines.append(
+            f"  (its {FACTORS} do not hash to this entry's key {target.parent.parent.name}: the file "
+            "was edited or the entry copied; the differences below may not be why it missed)"
+        )
     candidates = [p for p in entries if p != target and _load_factors(p) is not None]
     same_prefix = [p for p in candidates if p.name == target.name] or candidates
     if not same_prefix:
-        return [f"{target} is the only entry: a first compile, nothing to compare with"]
+        return [f"entry {target}", *key_lines, "the only entry: a first compile, nothing to compare with"]
 
     def distance(p: Path) -> int:
         return len(factor_differences(new, _load_factors(p) or {}))
@@ -115,7 +130,7 @@ def explain(root: Path, entry: Path | None = None) -> list[str]:
     old = _load_factors(nearest) or {}
     new_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(target).items() if _in(k, new)}
     old_text = {k.rsplit("@", 1)[0]: v for k, v in _sources(nearest).items() if _in(k, old)}
-    lines = [f"entry {target}", f"nearest existing entry {nearest}; differences:"]
+    lines = [f"entry {target}", *key_lines, f"nearest existing entry {nearest}; differences:"]
     differences = factor_differences(new, old, new_text, old_text)
     lines.extend(f"  - {d}" for d in differences or ["(none: the entries have equal factors)"])
     return lines

@@ -1,7 +1,8 @@
 """The index of one cache entry, defined once: ``(size, piece, compiler) -> ArtifactRecord``.
 
 Written as a Python literal and read back only with ``ast.literal_eval`` and a type check on
-every key and value (never ``eval``, never pickle).
+every key and value (never ``eval``, never pickle). This module owns how two indexes merge
+(``Index.merged_with``) and how an index in memory takes in the entry's file (``merged_with_file``).
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import ast
 import pprint
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from tessera.config import Size, SizeRange
 from tessera.validation import is_int
 
 VERSION = 2
+FILE = "index.py"  # its name in an entry's directory
 HEADER = "# tessera cache index: a Python literal, read with ast.literal_eval.\n"
 
 # How a size is written: "general", an int (one static size), or a (start, end) pair (a range).
@@ -101,6 +103,20 @@ class Index:
         if self.model is not None:
             data["model"] = self.model.to_literal()
         return HEADER + pprint.pformat(data, width=100, sort_dicts=True) + "\n"
+
+
+def read(entry: Path) -> Index:
+    """The index of the entry at ``entry``; OSError / ValueError / SyntaxError if unreadable."""
+    return parse((entry / FILE).read_text(encoding="utf-8"))
+
+
+def merged_with_file(index: Index, entry: Path) -> Index:
+    """``index`` with what the entry's index file holds and ``index`` lacks (what other processes
+    recorded); ``index`` as it is when that file is missing or unreadable (a write replaces it)."""
+    try:
+        return index.merged_with(read(entry))
+    except (OSError, ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        return index
 
 
 def parse(text: str) -> Index:

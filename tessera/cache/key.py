@@ -1,4 +1,5 @@
-"""What makes two compiles interchangeable: entry key factors, model fingerprints, piece content.
+"""What makes two compiles interchangeable: one ``KeyRecord`` per kind of key (entry, fingerprint,
+artifact, compiler, config, machine), each built by the one hasher from factors it can print.
 
 Nothing that varies run to run (paths, pids, times) enters a key. Nothing here imports Dynamo or
 Inductor: a warm start computes the fingerprint before deciding whether it needs either.
@@ -51,7 +52,40 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_json(value: Any) -> str:
+    """The one hasher of key factors: sha256 of their canonical JSON (sorted keys)."""
     return sha256_bytes(json.dumps(value, sort_keys=True, default=str).encode())
+
+
+KEY_KINDS = ("entry", "fingerprint", "artifact", "compiler", "config", "machine")
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """One key and the factors it is the hash of (JSON-ready; treat as read-only).
+
+    ``entry``: a cache entry's directory (cache_key_factors.json holds its factors); ``fingerprint``:
+    a model and call, found before tracing; ``artifact``: one compiled piece at one size;
+    ``compiler`` and ``config``: the parts of those keys a compiler and a config contribute;
+    ``machine``: what compiled CPU code depends on. Built only by ``of``, so every key is made by
+    the same recipe, and printed by ``debug_lines`` (``tessera cache explain``).
+    """
+
+    kind: str
+    factors: Mapping[str, Any]
+    digest: str
+
+    @classmethod
+    def of(cls, kind: str, factors: Mapping[str, Any]) -> KeyRecord:
+        assert kind in KEY_KINDS, f"unknown key kind {kind!r}; known: {KEY_KINDS}"
+        return cls(kind, factors, sha256_json(factors))
+
+    def debug_lines(self, width: int = 120) -> list[str]:
+        """``<kind> key <digest>``, then one ``  name: value`` line per factor (values cut to width)."""
+        lines = [f"{self.kind} key {self.digest}"]
+        for name, value in sorted(self.factors.items()):
+            text = json.dumps(value, sort_keys=True, default=str)
+            lines.append(f"  {name}: {text if len(text) <= width else text[: width - 3] + '...'}")
+        return lines
 
 
 @dataclass(frozen=True)
@@ -104,7 +138,7 @@ def machine_factors() -> dict[str, str]:
 
 
 def machine_key() -> str:
-    return sha256_json(machine_factors())[:16]
+    return KeyRecord.of("machine", machine_factors()).digest[:16]
 
 
 # -- entry key ----------------------------------------------------------------------------------
@@ -142,8 +176,9 @@ def collect_factors(
     }
 
 
-def compute_key(factors: Mapping[str, Any]) -> str:
-    return sha256_json(factors)
+def entry_key(factors: Mapping[str, Any]) -> KeyRecord:
+    """The key of the entry ``collect_factors`` described (its directory is ``digest[:10]``)."""
+    return KeyRecord.of("entry", factors)
 
 
 # -- piece content ------------------------------------------------------------------------------
@@ -343,7 +378,21 @@ def fingerprint(
     prefix: str,
     rank: str,
 ) -> str:
-    """sha256 over all that decides the traced graph and is known before tracing."""
+    """The digest of ``fingerprint_record``: what the warm pointer of a model and call is named by."""
+    return fingerprint_record(func, bound_to, arguments, marked, config, compiler_hash, prefix, rank).digest
+
+
+def fingerprint_record(
+    func: types.FunctionType,
+    bound_to: object | None,
+    arguments: Mapping[str, Any],
+    marked: Sequence[tuple[str, int]],
+    config: CompileConfig,
+    compiler_hash: str,
+    prefix: str,
+    rank: str,
+) -> KeyRecord:
+    """All that decides the traced graph and is known before tracing."""
     code = func.__code__
     dynamic: dict[str, set[int]] = {}
     for name, dim in marked:
@@ -365,7 +414,7 @@ def fingerprint(
         "compiler": compiler_hash,
         "where": [prefix, rank],
     }
-    return sha256_json(factors)
+    return KeyRecord.of("fingerprint", factors)
 
 
 def graph_code_objects(gm: torch.fx.GraphModule) -> list[Any]:

@@ -2,7 +2,9 @@
 
 ``<root>/<key[:10]>/rank_<r>_<dp>/<prefix>/`` holds index.py, cache_key_factors.json,
 computation_graph.py, model_artifact.pkl, sources/ and artifacts/ (compiled pieces, by content).
-Every write is atomic (temp file + ``os.replace``); index updates are serialised by a file lock.
+Every write is atomic (temp file + ``os.replace``); index updates are serialised by a file lock
+and batched: what a process records is written once when the entry is opened, once per compile
+turn (``flush``) and once with the whole-model artifact, however many pieces it links.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ import platformdirs
 from tessera.cache import index as index_
 from tessera.cache import trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
-from tessera.cache.key import SourceFile, compute_key
+from tessera.cache.key import SourceFile, entry_key
 from tessera.errors import CacheWarning
 
 log = logging.getLogger(__name__)
 
-INDEX = "index.py"
+INDEX = index_.FILE
 FACTORS = "cache_key_factors.json"
 GRAPH = "computation_graph.py"
 MODEL = "model_artifact.pkl"
@@ -117,20 +119,21 @@ def check_file(base: Path, record: FileRecord) -> str | None:
     return None
 
 
-def read_index(path: Path) -> Index:
-    """The index of the entry at ``path``; OSError / ValueError / SyntaxError if unreadable."""
-    return index_.parse((path / INDEX).read_text(encoding="utf-8"))
+read_index = index_.read  # the entry's index (index.py owns reading and merging it)
 
 
 class CacheEntry:
     """One model's directory in the cache, opened by this process."""
 
-    def __init__(self, path: Path, factors: Mapping[str, Any], key: str) -> None:
+    def __init__(self, path: Path, factors: Mapping[str, Any], key: str | None = None) -> None:
         self.path = path
-        self.key = key
-        self.factors = dict(factors)
+        self.key_record = entry_key(factors)  # its factors are cache_key_factors.json
+        # The full digest; ``key`` only names an entry a test makes by hand (create and
+        # open_existing key every entry by its factors).
+        self.key = key if key is not None else self.key_record.digest
         self.index = Index(created=time.time())
         self.existed = False
+        self._dirty = False  # self.index holds records not yet written (see flush)
         self._lock = filelock.FileLock(str(path / ".lock"))
         # Files whose checksum this process verified, with the stat they had then: identical
         # layers share one file, which is hashed once per start, not once per layer.
@@ -150,15 +153,15 @@ class CacheEntry:
         None, after one CacheWarning, when the entry cannot be used: not writable (permissions,
         read-only, disk full, a file in the way) or not trusted (see trust.py).
         """
-        key = compute_key(factors)
-        path = entry_path(root, key, prefix)
+        key = entry_key(factors)
+        path = entry_path(root, key.digest, prefix)
         try:
             trust.make_dir(path / ARTIFACTS)
             untrusted = trust.chain_problem(root, path)
             if untrusted is not None:
                 trust.warn_once(untrusted[0], untrusted[1], "not using it; compiling without the cache")
                 return None
-            entry = cls(path, factors, key)
+            entry = cls(path, key.factors)
             entry._open(graph_dump, sources)
         except OSError as e:
             trust.warn_once(Path(e.filename or path), _cause(e), "compiling without the cache")
@@ -177,11 +180,7 @@ class CacheEntry:
         if untrusted is not None:
             trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
             raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
-        try:
-            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            factors = None
-        entry = cls(path, factors if isinstance(factors, dict) else {}, path.parent.parent.name)
+        entry = cls(path, {}, path.parent.parent.name)  # keyed once its files are verified
         entry.existed = True
         problem = entry._load_index()
         if problem is not None:
@@ -198,23 +197,36 @@ class CacheEntry:
                 problem = "missing" if actual is None else "content does not match its key"
                 entry.report_damage(name, problem)
                 raise EntryUnusable(f"{name} is {problem}")
+        try:
+            factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise EntryUnusable(f"{FACTORS} is unreadable ({type(e).__name__})") from e
+        key = entry_key(factors) if isinstance(factors, dict) else None
+        if key is None or key.digest[:10] != path.parent.parent.name:
+            raise EntryUnusable(f"{FACTORS} does not hash to the key it is filed under")
+        entry.key_record, entry.key = key, key.digest
         entry._mark_in_use()
         return entry
 
     # -- opening -------------------------------------------------------------------------------
     def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
-        self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
         trust.make_dir(self.path / ARTIFACTS)
         self._mark_in_use()
-        self._read_or_reset_index()
-        factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
-        self._ensure_file(FACTORS, factors_text.encode())
-        self._ensure_file(GRAPH, graph_dump.encode())
-        for source in sources:  # snapshots for `cache explain`, checked like every other file
-            with contextlib.suppress(OSError):
-                content = Path(source.path).read_bytes()
-                if hashlib.sha256(content).hexdigest() == source.sha256:
-                    self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
+        # Under the entry's lock: a process opening the entry at the same time waits, then finds
+        # the index and the side files it vouches for, written together (one index write). So a
+        # missing index beside side files is damage, never another process's half-made entry.
+        with self._locked_if_possible():
+            self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
+            self._read_or_reset_index()
+            factors_text = json.dumps(self.key_record.factors, indent=2, sort_keys=True) + "\n"
+            self._ensure_file(FACTORS, factors_text.encode())
+            self._ensure_file(GRAPH, graph_dump.encode())
+            for source in sources:  # snapshots for `cache explain`, checked like every other file
+                with contextlib.suppress(OSError):
+                    content = Path(source.path).read_bytes()
+                    if hashlib.sha256(content).hexdigest() == source.sha256:
+                        self._ensure_file(f"sources/{Path(source.path).name}@{source.sha256[:12]}", content)
+            self.flush()
 
     def _read_or_reset_index(self) -> None:
         problem = self._load_index()
@@ -222,11 +234,8 @@ class CacheEntry:
             return
         if self.existed:
             self.report_damage(INDEX, problem)
-        with self._lock:
-            # Another process may have written a good index since we looked: never clobber it.
-            if self._load_index() is not None:
-                self.index = Index(created=time.time())
-                self._write_index()
+        self.index = Index(created=time.time())  # written by _open's flush
+        self._dirty = True
 
     def _load_index(self) -> str | None:
         """Read the index; return the problem if it cannot be trusted."""
@@ -257,8 +266,8 @@ class CacheEntry:
         self._record_file(name, digest)
 
     def _record_file(self, name: str, digest: str) -> None:
-        with self._updating_index():
-            self.index.files[name] = digest
+        self.index.files[name] = digest
+        self._dirty = True
 
     def _mark_in_use(self) -> None:
         """Hold a shared lock on the entry's marker for the life of the process (prune skips it).
@@ -298,24 +307,32 @@ class CacheEntry:
 
     @contextlib.contextmanager
     def _updating_index(self) -> Iterator[None]:
-        """Change ``self.index`` under the lock, merged with what other processes recorded."""
+        """Change ``self.index`` under the lock, merged with what other processes recorded, and
+        write it (with every record not yet written) once."""
         with self._lock:
-            with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
-                self.index = self.index.merged_with(read_index(self.path))
+            self.index = index_.merged_with_file(self.index, self.path)
             yield
             self._write_index()
 
+    def flush(self) -> None:
+        """Write what this process recorded since the last write, merged under the lock with what
+        other processes recorded: one atomic write however many records (OSError if it fails)."""
+        if self._dirty:
+            with self._updating_index():
+                pass
+
     def _write_index(self) -> None:
         atomic_write(self.path / INDEX, self.index.format().encode())
+        self._dirty = False
 
     # -- artifacts -----------------------------------------------------------------------------
     def reload(self) -> None:
         """Read the index again (other processes, or a fetch from the remote tier, added to it)."""
-        with contextlib.suppress(OSError, ValueError, SyntaxError, UnicodeDecodeError):
-            self.index = self.index.merged_with(read_index(self.path))
+        self.index = index_.merged_with_file(self.index, self.path)
 
     def record_artifact(self, key: IndexKey, written: str, content: str) -> ArtifactRecord:
-        """Move a freshly written artifact to its content address and record it in the index.
+        """Move a freshly written artifact to its content address and record it in the index
+        (written by the next ``flush``: the artifact is complete on disk before it is vouched for).
 
         ``written`` is the file the compiler wrote (relative to the entry); "" records an
         artifact with nothing on disk (the eager compiler's).
@@ -334,15 +351,15 @@ class CacheEntry:
             record = ArtifactRecord(relative, sha, size, content)
         else:
             record = ArtifactRecord("", "", 0, content)
-        with self._updating_index():
-            self.index.entries[key] = record
+        self.index.entries[key] = record
+        self._dirty = True
         return record
 
     def link_artifacts(self, records: Mapping[IndexKey, ArtifactRecord]) -> None:
         """Record that each key is served by an artifact already in the entry (an identical
-        piece, or one taken from a sibling rank): one index write for all of them."""
-        with self._updating_index():
-            self.index.entries.update(records)
+        piece, or one taken from a sibling rank); written by the next ``flush``."""
+        self.index.entries.update(records)
+        self._dirty = True
 
     def check(self, record: FileRecord) -> str | None:
         """``check_file``, hashing each unchanged file at most once in this process."""
@@ -359,6 +376,10 @@ class CacheEntry:
         if problem is None and stamp is not None:
             self._verified[(record.file, record.sha256)] = stamp
         return problem
+
+    @property
+    def factors(self) -> Mapping[str, Any]:
+        return self.key_record.factors
 
     def forget(self, key: IndexKey) -> None:
         self.index.entries.pop(key, None)
