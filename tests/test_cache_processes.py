@@ -82,7 +82,9 @@ def test_eight_processes_at_once_then_a_ninth_compiles_nothing(tmp_path, backend
     ninth = run_toy(
         cache, tmp_path / "ninth.pt", "--layers", "1", "--compile-sizes", "", "--backend", backend
     )
-    assert ninth["counters"]["inductor_compiles"] == 0 and ninth["counters"]["graphs_traced"] <= 1
+    # The ninth loads every artifact the eight made: its own backend's compile counter says so.
+    assert ninth["counters"][compiles] == 0 and ninth["counters"]["graphs_traced"] <= 1, ninth
+    assert ninth["counters"]["cache_hits"] == ninth["counters"]["backend_compilations"] > 0, ninth
     if backend == "inductor":
         assert ninth["counters"]["graphs_traced"] == 0  # whole-model artifact: no Dynamo either
     first = torch.load(tmp_path / "out0.pt")
