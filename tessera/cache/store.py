@@ -8,6 +8,7 @@ Every write is atomic (temp file + ``os.replace``); index updates are serialised
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -23,7 +24,7 @@ import filelock
 import platformdirs
 
 from tessera.cache import index as index_
-from tessera.cache import trust
+from tessera.cache import liveness, trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, compute_key
 from tessera.errors import CacheWarning
@@ -34,9 +35,7 @@ INDEX = "index.py"
 FACTORS = "cache_key_factors.json"
 GRAPH = "computation_graph.py"
 MODEL = "model_artifact.pkl"
-INUSE = ".inuse"
 ARTIFACTS = "artifacts"
-_HELD_OPEN: list[Any] = []  # in-use markers held (shared-locked) for the life of the process
 _WARNED: set[Path] = set()  # damaged files already reported by this process
 
 
@@ -74,11 +73,13 @@ def sha256_file(path: Path) -> str:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the new one, never a part.
 
-    The temp file (``.<name>.<pid>.<random>.tmp``, mode 0600 or the shared mode) is removed on
-    any failure; ``tools.stray_temp_files`` finds those of killed processes.
+    The temp file (``.<name>.<writer token>.<random>.tmp``, mode 0600 or the shared mode) is
+    removed on any failure; ``tools.stray_temp_files`` finds those of killed processes by the
+    writer lock its token names (see liveness.py).
     """
     trust.make_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    token = liveness.writer_token(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{token}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -132,6 +133,8 @@ class CacheEntry:
         self.index = Index(created=time.time())
         self.existed = False
         self._lock = filelock.FileLock(str(path / ".lock"))
+        if len(path.parents) > 2:
+            liveness.register_root(path.parents[2])  # <root>/<key10>/rank_<r>_<dp>/<prefix>
         # Files whose checksum this process verified, with the stat they had then: identical
         # layers share one file, which is hashed once per start, not once per layer.
         self._verified: dict[tuple[str, str], tuple[int, int, int]] = {}
@@ -177,11 +180,15 @@ class CacheEntry:
         if untrusted is not None:
             trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
             raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
+        entry = cls(path, {}, path.parent.parent.name)
+        # Marked before anything is read: from here on no pruner removes a file we verify or load.
+        if not entry._mark_in_use(wait=False):
+            raise EntryUnusable("it was removed, or cache prune or clear is removing it")  # a plain miss
         try:
             factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             factors = None
-        entry = cls(path, factors if isinstance(factors, dict) else {}, path.parent.parent.name)
+        entry.factors = factors if isinstance(factors, dict) else {}
         entry.existed = True
         problem = entry._load_index()
         if problem is not None:
@@ -198,14 +205,21 @@ class CacheEntry:
                 problem = "missing" if actual is None else "content does not match its key"
                 entry.report_damage(name, problem)
                 raise EntryUnusable(f"{name} is {problem}")
-        entry._mark_in_use()
         return entry
 
     # -- opening -------------------------------------------------------------------------------
     def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
+        # Marked before anything is read or written. A pruner removing this entry right now is
+        # waited for; then the entry is made afresh (our work lands in it, not in the trash).
+        for _ in range(10):
+            trust.make_dir(self.path / ARTIFACTS)
+            if self._mark_in_use(wait=True):
+                break
+        else:
+            raise OSError(
+                errno.EBUSY, "removed by cache prune or clear each time it was made", str(self.path)
+            )
         self.existed = (self.path / FACTORS).exists() or (self.path / INDEX).exists()
-        trust.make_dir(self.path / ARTIFACTS)
-        self._mark_in_use()
         self._read_or_reset_index()
         factors_text = json.dumps(self.factors, indent=2, sort_keys=True) + "\n"
         self._ensure_file(FACTORS, factors_text.encode())
@@ -260,28 +274,9 @@ class CacheEntry:
         with self._updating_index():
             self.index.files[name] = digest
 
-    def _mark_in_use(self) -> None:
-        """Hold a shared lock on the entry's marker for the life of the process (prune skips it).
-
-        A read-only cache (a mounted image) cannot be marked, and needs no protection from prune.
-        """
-        marker = self.path / INUSE
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: prune falls back to last-used times only
-            with contextlib.suppress(OSError):
-                marker.touch()
-            return
-        try:
-            f = marker.open("a+b")
-        except OSError as e:
-            # A read-only cache (a baked image) still loads; nothing new will be saved to it.
-            trust.warn_once(self.path, _cause(e), "loading from it read-only; nothing new is saved there")
-            return
-        with contextlib.suppress(OSError):
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            os.utime(marker)
-        _HELD_OPEN.append(f)
+    def _mark_in_use(self, *, wait: bool) -> bool:
+        """Mark the entry in use for the life of the process (see ``liveness.mark_in_use``)."""
+        return liveness.mark_in_use(self.path, wait=wait)
 
     @contextlib.contextmanager
     def _locked_if_possible(self) -> Iterator[None]:
@@ -415,24 +410,3 @@ def warn_write_failed(path: Path, error: OSError) -> None:
 
 class EntryUnusable(Exception):
     """An existing entry cannot be used for a start without Dynamo (the reason is the message)."""
-
-
-@contextlib.contextmanager
-def exclusive_if_unused(entry_dir: Path) -> Iterator[bool]:
-    """Yield True while holding the entry exclusively (no process uses it), else False."""
-    marker = entry_dir / INUSE
-    try:
-        import fcntl
-    except ImportError:
-        yield True
-        return
-    if not marker.exists():
-        yield True
-        return
-    with marker.open("a+b") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
-        yield True
