@@ -46,7 +46,9 @@ class CacheDamagedWarning(CacheWarning):
 def cache_root(configured: str | None) -> Path:
     """The root every model's entries live under: config, ``$TESSERA_CACHE_DIR``, or the user cache."""
     chosen = configured or os.environ.get("TESSERA_CACHE_DIR") or platformdirs.user_cache_dir("tessera")
-    return Path(chosen).expanduser()
+    root = Path(chosen).expanduser()
+    liveness.register_root(root)  # this process's writer lock for files under it lives there
+    return root
 
 
 def rank_dir() -> str:
