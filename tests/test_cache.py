@@ -342,3 +342,12 @@ def test_prune_keeps_the_records_of_a_models_path(tmp_path):
     assert [p.name for p in (root / "warm").glob("*.json")] == [f"{'f' * 32}.json"]
     with pytest.raises(artifact.OtherPath, match="a graph break"):
         artifact.read_pointer(root, "f" * 64)
+
+
+def test_verify_says_nothing_of_an_entry_removed_while_it_ran(tmp_path, monkeypatch):
+    """Another process's prune removed an entry after verify listed it: no problem, no crash."""
+    compiled, _, _ = fresh_counts(backend="eager")
+    root, gone = compiled.cache_dir.parents[2], compiled.cache_dir.parent / "pruned-meanwhile"
+    listed = tools.find_entries(root)
+    monkeypatch.setattr(tools, "find_entries", lambda _: [*listed, gone])
+    assert verify(root) == []

@@ -115,8 +115,11 @@ def check_file(base: Path, record: FileRecord) -> str | None:
         return "missing"
     if size != record.size:
         return f"{size} bytes where the index says {record.size}"
-    if sha256_file(path) != record.sha256:
-        return "checksum mismatch"
+    try:
+        if sha256_file(path) != record.sha256:
+            return "checksum mismatch"
+    except FileNotFoundError:  # removed since the stat above
+        return "missing"
     return None
 
 

@@ -114,32 +114,41 @@ def verify(root: Path) -> list[str]:
     its checksum, the whole-model artifact included)."""
     problems = []
     for path in find_entries(root):
-        untrusted = trust.chain_problem(root, path)
-        if untrusted is not None:
-            problems.append(f"{untrusted[0]}: not trusted, {untrusted[1]} (entry {path})")
-            continue
+        found = _entry_problems(root, path)
+        if found and not path.is_dir():
+            continue  # removed meanwhile by another process's prune or clear: nothing to report
+        problems += found
+    return problems
+
+
+def _entry_problems(root: Path, path: Path) -> list[str]:
+    untrusted = trust.chain_problem(root, path)
+    if untrusted is not None:
+        return [f"{untrusted[0]}: not trusted, {untrusted[1]} (entry {path})"]
+    try:
+        index = read_index(path)
+    except FileNotFoundError:
+        return [f"{path / INDEX}: missing"]
+    except (OSError, ValueError, SyntaxError, UnicodeDecodeError) as e:
+        return [f"{path / INDEX}: unreadable ({type(e).__name__})"]
+    problems = []
+    try:
+        json.loads((path / FACTORS).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        problems.append(f"{path / FACTORS}: {type(e).__name__}")
+    records: list[tuple[str, FileRecord]] = [(f"entry {k}", r) for k, r in index.entries.items()]
+    for name, sha in index.files.items():
         try:
-            index = read_index(path)
-        except FileNotFoundError:
-            problems.append(f"{path / INDEX}: missing")
-            continue
-        except (OSError, ValueError, SyntaxError, UnicodeDecodeError) as e:
-            problems.append(f"{path / INDEX}: unreadable ({type(e).__name__})")
-            continue
-        try:
-            json.loads((path / FACTORS).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            problems.append(f"{path / FACTORS}: {type(e).__name__}")
-        records: list[tuple[str, FileRecord]] = [(f"entry {k}", r) for k, r in index.entries.items()]
-        for name, sha in index.files.items():
-            size = (path / name).stat().st_size if (path / name).exists() else -1
-            records.append(("side file", FileRecord(name, sha, size)))
-        if index.model is not None:
-            records.append(("whole-model artifact", index.model))
-        for what, record in records:
-            problem = check_file(path, record)
-            if problem is not None:
-                problems.append(f"{path / record.file}: {problem} ({what})")
+            size = (path / name).stat().st_size
+        except OSError:
+            size = -1
+        records.append(("side file", FileRecord(name, sha, size)))
+    if index.model is not None:
+        records.append(("whole-model artifact", index.model))
+    for what, record in records:
+        problem = check_file(path, record)
+        if problem is not None:
+            problems.append(f"{path / record.file}: {problem} ({what})")
     return problems
 
 
