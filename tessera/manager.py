@@ -18,7 +18,7 @@ from typing import Any
 import torch.fx
 
 from tessera import counters
-from tessera.cache import trust
+from tessera.cache import liveness, trust
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
 from tessera.cache.key import KeyRecord
 from tessera.cache.store import ARTIFACTS, CacheEntry, warn_write_failed
@@ -111,8 +111,12 @@ class CompilerManager:
             if self.store is not None and shared is not None:
                 self._write(lambda store: store.link_artifacts({key: shared}))
             return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
-        # A unique scratch name: several processes may compile the same entry at once.
-        scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        # A unique scratch name: several processes may compile the same entry at once. Its writer
+        # token tells `cache clear` that this process is alive until the artifact is recorded.
+        owner = None
+        if self.store is not None:
+            owner = self._write(lambda store: liveness.writer_token(store.path / ARTIFACTS))
+        scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{owner or os.getpid()}.{uuid.uuid4().hex[:8]}"
         fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, scratch)
         self.compiled += 1
         record = None

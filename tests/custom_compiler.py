@@ -1,8 +1,11 @@
-"""A user-defined compiler for the ``module:Class`` backend test: runs graphs, counts calls."""
+"""User-defined compilers for the ``module:Class`` backend tests (and a cache test compiler)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, ClassVar
+
+from tessera.cache.store import atomic_write
 
 
 class CountingCompiler:
@@ -78,4 +81,33 @@ class SavingCompiler:
         SavingCompiler.loads += 1
         if SavingCompiler.load_fails_with is not None:
             raise SavingCompiler.load_fails_with
+        return graph.forward
+
+
+class CodeSavingCompiler:
+    """Runs graphs as Python, like the eager compiler, but saves one artifact file per piece (its
+    graph's code) and reads it back on load: cache tests get real files on disk (scratch files,
+    checksums, loads that can fail) without the cost of Inductor."""
+
+    name = "code-saving"
+
+    def __init__(self) -> None:
+        self.cache_dir: Path | None = None
+
+    def compute_hash(self) -> str:
+        return "code-saving-v1"
+
+    def initialize_cache(self, cache_dir: Path | None) -> None:
+        self.cache_dir = cache_dir
+
+    def compile(self, graph, example_inputs, config, size, key):
+        if self.cache_dir is None:
+            return graph.forward, None
+        atomic_write(self.cache_dir / key, graph.code.encode())
+        return graph.forward, key
+
+    def load(self, handle, graph, example_inputs, index, size):
+        assert self.cache_dir is not None, "load() needs initialize_cache(dir) first"
+        if (self.cache_dir / handle).read_text() != graph.code:
+            raise ValueError(f"{handle} holds another graph's code")
         return graph.forward

@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import tessera
+from tessera.cache import tools
 from tessera.cache.explain import explain
-from tessera.cache.store import INDEX, CacheDamagedWarning
+from tessera.cache.store import GRAPH, INDEX, CacheDamagedWarning, CacheEntry
 from tessera.cache.tools import find_entries, verify
+from tessera.errors import CacheWarning
 from tessera.models import toy_llama
+from tests.child import ROOT, child_env, run_toy
 
 SIZES = (3, 9)
 
@@ -254,3 +264,131 @@ def test_index_writes_per_cold_start_do_not_grow_with_identical_layers(monkeypat
     tessera.counters.reset()
     warm, _ = compile_and_check(layers=8, backend="eager")
     assert warm.warm_start is True and writes == []  # the index recorded every piece and link
+
+
+# -- prune and clear against processes using the entry -------------------------------------------
+@contextlib.contextmanager
+def paused_pruner(root: Path, monkeypatch) -> Iterator[tuple[threading.Thread, threading.Event, list[Path]]]:
+    """``prune(root, 0)`` in a thread, held where it has locked an unused entry to remove it until
+    the test sets the event it yields; the list gets what it removed."""
+    holding, go, removed = threading.Event(), threading.Event(), []
+    real = tools.exclusive_if_unused
+
+    @contextlib.contextmanager
+    def held_when_free(path: Path) -> Iterator[bool]:
+        with real(path) as free:
+            if free:
+                holding.set()
+                assert go.wait(60), "the test never let the pruner go on"
+            yield free
+
+    monkeypatch.setattr(tools, "exclusive_if_unused", held_when_free)
+    pruner = threading.Thread(target=lambda: removed.extend(tools.prune(root, 0)))
+    pruner.start()
+    try:
+        assert holding.wait(60), "the pruner found nothing to remove"
+        yield pruner, go, removed
+    finally:
+        go.set()
+        pruner.join(60)
+
+
+@pytest.mark.parametrize("made_by", ["a process", "cache import", "a process, marker gone"])
+def test_a_process_never_uses_an_entry_prune_is_removing(tmp_path, monkeypatch, made_by):
+    """The pruner has locked the entry and is about to remove it when this process opens it for
+    a warm start: that is a plain miss (trace, compile afresh), never damage."""
+    from tessera.cache import archive
+
+    root = tmp_path / "cache"
+    toy = ["--backend", "eager", "--layers", "1", "--sizes", ",".join(map(str, SIZES)), "--compile-sizes", ""]
+    run_toy(tmp_path / "made" if made_by == "cache import" else root, tmp_path / "a.pt", *toy)
+    if made_by == "cache import":
+        archive.export(tmp_path / "made", tmp_path / "cache.tar")
+        assert archive.import_(root, tmp_path / "cache.tar") == 1
+    (entry,) = find_entries(root)
+    if made_by == "a process, marker gone":
+        (entry / ".inuse").unlink()
+    with paused_pruner(root, monkeypatch) as (pruner, go, removed):
+        real_mark = CacheEntry._mark_in_use
+        opened = []
+
+        def mark_then_let_the_pruner_finish(self, *args, **kwargs):
+            marked = real_mark(self, *args, **kwargs)
+            opened.append(self.path)
+            go.set()
+            pruner.join(60)
+            return marked
+
+        monkeypatch.setattr(CacheEntry, "_mark_in_use", mark_then_let_the_pruner_finish)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled, _, counts = fresh_counts(backend="eager")  # outputs checked against eager
+    assert not pruner.is_alive()
+    assert not [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert opened[0] == entry and removed == [entry]  # it was opened warm while being removed
+    assert counts["graphs_traced"] == 1 and counts["eager_compiles"] > 0  # then a plain miss
+    assert compiled.cache_dir == entry and verify(root) == []  # made afresh, complete
+
+
+def test_making_an_entry_prune_is_removing_waits_then_starts_afresh(tmp_path, monkeypatch, caplog):
+    """A process creating the entry the pruner is removing waits for the removal to finish, then
+    makes the entry again: what it writes lands in the cache, not in the pruner's trash."""
+    root, factors = tmp_path / "cache", {"factor": 1}
+    made = "from pathlib import Path; from tessera.cache.store import CacheEntry; "
+    made += f"CacheEntry.create(Path({str(root)!r}), 'model', {factors!r}, 'graph', [])"
+    # The entry, made by a process that is gone (one of ours would keep it in use).
+    subprocess.run([sys.executable, "-c", made], env=child_env(root), cwd=ROOT, check=True)
+    (entry,) = find_entries(root)
+    waiting = threading.Event()
+
+    class SeenWaiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "cache prune or clear is removing it" in record.getMessage():
+                waiting.set()
+
+    caplog.set_level(logging.INFO, logger="tessera.cache.liveness")
+    logging.getLogger("tessera.cache.liveness").addHandler(handler := SeenWaiting())
+    try:
+        with paused_pruner(root, monkeypatch) as (pruner, go, removed):
+            opened: list[CacheEntry | None] = []
+            creator = threading.Thread(
+                target=lambda: opened.append(CacheEntry.create(root, "model", factors, "graph", []))
+            )
+            creator.start()
+            deadline = time.monotonic() + 60
+            while not waiting.is_set() and creator.is_alive():  # waiting on the pruner, or done
+                assert time.monotonic() < deadline, "the creator neither waited nor finished"
+                waiting.wait(0.01)
+            go.set()
+            pruner.join(60)
+            creator.join(60)
+    finally:
+        logging.getLogger("tessera.cache.liveness").removeHandler(handler)
+    assert removed == [entry] and not creator.is_alive()
+    (store,) = opened
+    assert store is not None and store.path == entry
+    assert (entry / GRAPH).read_text() == "graph" and verify(root) == []
+    assert tools.prune(root, 0) == []  # and it is in use by this process now
+
+
+def test_prune_keeps_the_records_of_a_models_path(tmp_path):
+    """A fingerprint's record that its model runs on the guarded or per-size path points to no
+    entry: it is not a dangling pointer, and prune keeps it (the next process goes there at once)."""
+    from tessera.cache import artifact
+
+    root = tmp_path / "cache"
+    artifact.write_path(root, "f" * 64, "guarded", "a graph break")
+    artifact.write_pointer(root, "e" * 64, root / "0123456789" / "rank_0_0" / "gone")
+    assert tools.prune(root, 0) == []
+    assert [p.name for p in (root / "warm").glob("*.json")] == [f"{'f' * 32}.json"]
+    with pytest.raises(artifact.OtherPath, match="a graph break"):
+        artifact.read_pointer(root, "f" * 64)
+
+
+def test_verify_says_nothing_of_an_entry_removed_while_it_ran(tmp_path, monkeypatch):
+    """Another process's prune removed an entry after verify listed it: no problem, no crash."""
+    compiled, _, _ = fresh_counts(backend="eager")
+    root, gone = compiled.cache_dir.parents[2], compiled.cache_dir.parent / "pruned-meanwhile"
+    listed = tools.find_entries(root)
+    monkeypatch.setattr(tools, "find_entries", lambda _: [*listed, gone])
+    assert verify(root) == []

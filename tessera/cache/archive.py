@@ -7,21 +7,23 @@ only, no path outside the root, every entry's index parsed and every file's chec
 
 from __future__ import annotations
 
+import errno
 import io
 import json
-import shutil
+import os
 import tarfile
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
-from tessera.cache import trust
+from tessera.cache import liveness, trust
 from tessera.cache.artifact import WARM_DIR
+from tessera.cache.liveness import INUSE, WRITERS
 from tessera.cache.store import atomic_write
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheError
 
-_SKIP = (".inuse", ".lock")
+_SKIP = (INUSE, ".lock")
 
 
 def export(root: Path, archive: Path, prefixes: Sequence[str] = (), keys: Sequence[str] = ()) -> int:
@@ -37,7 +39,8 @@ def export(root: Path, archive: Path, prefixes: Sequence[str] = (), keys: Sequen
     with tarfile.open(archive, "w") as tar:
         for entry in entries:
             for path in sorted(entry.rglob("*")):
-                if path.is_file() and not path.name.endswith(".tmp") and path.name not in _SKIP:
+                skipped = path.name.endswith(".tmp") or path.name in _SKIP or WRITERS in path.parts
+                if path.is_file() and not skipped:
                     tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False)
         for pointer in sorted((root / WARM_DIR).glob("*.json")):
             try:
@@ -57,7 +60,10 @@ def import_(root: Path, archive: Path) -> int:
         for member in members:
             _check_member(member)
         trust.make_dir(root)
-        with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as scratch:
+        liveness.register_root(root)
+        # Named with our writer token: `cache clear` removes it if this process is killed.
+        staging_prefix = f".import-{liveness.writer_token(root)}."
+        with tempfile.TemporaryDirectory(dir=root, prefix=staging_prefix) as scratch:
             staging = Path(scratch)
             for member in members:
                 if member.isdir():
@@ -73,17 +79,38 @@ def import_(root: Path, archive: Path) -> int:
                 raise CacheError(f"{archive}: {len(problems)} problem(s), nothing imported: {problems[0]}")
             imported = 0
             for entry in find_entries(staging):
-                destination = root / entry.relative_to(staging)
-                if destination.exists():
-                    continue
-                trust.make_dir(destination.parent)
-                shutil.move(str(entry), str(destination))
-                imported += 1
+                if _move_in(entry, root / entry.relative_to(staging)):
+                    imported += 1
             for pointer in sorted((staging / WARM_DIR).glob("*.json")):
                 destination = root / WARM_DIR / pointer.name
                 if not destination.exists():
                     atomic_write(destination, pointer.read_bytes())
     return imported
+
+
+def _move_in(entry: Path, destination: Path) -> bool:
+    """Move a verified entry to its place in one rename; False if an entry is there already.
+
+    It arrives with its in-use marker, like an entry a process made: ``cache prune`` ranks it by
+    the time it was imported and locks that marker before it removes it.
+    """
+    (entry / INUSE).touch(mode=trust.file_mode())
+    for _ in range(10):
+        if destination.exists():
+            return False
+        trust.make_dir(destination.parent)
+        try:
+            # A rename, not a copy: a process opening the entry sees all of it or nothing, and
+            # one that made the same entry meanwhile keeps it (a non-empty directory stays).
+            os.rename(entry, destination)
+            return True
+        except FileNotFoundError:
+            continue  # a pruner removed the empty parent we just made: again
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+    return False
 
 
 def _check_member(member: tarfile.TarInfo) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import filelock
 
+from tessera.cache import liveness
 from tessera.cache.index import ArtifactRecord, IndexKey
 from tessera.cache.remote import RemoteTier
 from tessera.cache.store import FACTORS, CacheEntry, atomic_write, read_index, sha256_file, warn_write_failed
@@ -106,7 +107,7 @@ def _copied(source: Path, target: Path, sha256: str) -> bool:
             return False
     except OSError:  # the sibling entry was pruned meanwhile
         return False
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.link.tmp")
+    tmp = target.with_name(f".{target.name}.{liveness.writer_token(target.parent)}.link.tmp")
     try:
         os.link(source, tmp)
     except OSError:  # another filesystem, or no hard links there: a copy

@@ -10,6 +10,7 @@ turn (``flush``) and once with the whole-model artifact, however many pieces it 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import filelock
 import platformdirs
 
 from tessera.cache import index as index_
-from tessera.cache import trust
+from tessera.cache import liveness, trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, entry_key
 from tessera.errors import CacheWarning
@@ -36,9 +37,7 @@ INDEX = index_.FILE
 FACTORS = "cache_key_factors.json"
 GRAPH = "computation_graph.py"
 MODEL = "model_artifact.pkl"
-INUSE = ".inuse"
 ARTIFACTS = "artifacts"
-_HELD_OPEN: list[Any] = []  # in-use markers held (shared-locked) for the life of the process
 _WARNED: set[Path] = set()  # damaged files already reported by this process
 
 
@@ -49,7 +48,9 @@ class CacheDamagedWarning(CacheWarning):
 def cache_root(configured: str | None) -> Path:
     """The root every model's entries live under: config, ``$TESSERA_CACHE_DIR``, or the user cache."""
     chosen = configured or os.environ.get("TESSERA_CACHE_DIR") or platformdirs.user_cache_dir("tessera")
-    return Path(chosen).expanduser()
+    root = Path(chosen).expanduser()
+    liveness.register_root(root)  # this process's writer lock for files under it lives there
+    return root
 
 
 def rank_dir() -> str:
@@ -76,11 +77,13 @@ def sha256_file(path: Path) -> str:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the new one, never a part.
 
-    The temp file (``.<name>.<pid>.<random>.tmp``, mode 0600 or the shared mode) is removed on
-    any failure; ``tools.stray_temp_files`` finds those of killed processes.
+    The temp file (``.<name>.<writer token>.<random>.tmp``, mode 0600 or the shared mode) is
+    removed on any failure; ``tools.stray_temp_files`` finds those of killed processes by the
+    writer lock its token names (see liveness.py).
     """
     trust.make_dir(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
+    token = liveness.writer_token(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{token}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -114,8 +117,11 @@ def check_file(base: Path, record: FileRecord) -> str | None:
         return "missing"
     if size != record.size:
         return f"{size} bytes where the index says {record.size}"
-    if sha256_file(path) != record.sha256:
-        return "checksum mismatch"
+    try:
+        if sha256_file(path) != record.sha256:
+            return "checksum mismatch"
+    except FileNotFoundError:  # removed since the stat above
+        return "missing"
     return None
 
 
@@ -135,6 +141,8 @@ class CacheEntry:
         self.existed = False
         self._dirty = False  # self.index holds records not yet written (see flush)
         self._lock = filelock.FileLock(str(path / ".lock"))
+        if len(path.parents) > 2:
+            liveness.register_root(path.parents[2])  # <root>/<key10>/rank_<r>_<dp>/<prefix>
         # Files whose checksum this process verified, with the stat they had then: identical
         # layers share one file, which is hashed once per start, not once per layer.
         self._verified: dict[tuple[str, str], tuple[int, int, int]] = {}
@@ -181,6 +189,9 @@ class CacheEntry:
             trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
             raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
         entry = cls(path, {}, path.parent.parent.name)  # keyed once its files are verified
+        # Marked before anything is read: from here on no pruner removes a file we verify or load.
+        if not entry._mark_in_use(wait=False):
+            raise EntryUnusable("it was removed, or cache prune or clear is removing it")  # a plain miss
         entry.existed = True
         problem = entry._load_index()
         if problem is not None:
@@ -205,13 +216,20 @@ class CacheEntry:
         if key is None or key.digest[:10] != path.parent.parent.name:
             raise EntryUnusable(f"{FACTORS} does not hash to the key it is filed under")
         entry.key_record, entry.key = key, key.digest
-        entry._mark_in_use()
         return entry
 
     # -- opening -------------------------------------------------------------------------------
     def _open(self, graph_dump: str, sources: Sequence[SourceFile]) -> None:
-        trust.make_dir(self.path / ARTIFACTS)
-        self._mark_in_use()
+        # Marked before anything is read or written. A pruner removing this entry right now is
+        # waited for; then the entry is made afresh (our work lands in it, not in the trash).
+        for _ in range(10):
+            trust.make_dir(self.path / ARTIFACTS)
+            if self._mark_in_use(wait=True):
+                break
+        else:
+            raise OSError(
+                errno.EBUSY, "removed by cache prune or clear each time it was made", str(self.path)
+            )
         # Under the entry's lock: a process opening the entry at the same time waits, then finds
         # the index and the side files it vouches for, written together (one index write). So a
         # missing index beside side files is damage, never another process's half-made entry.
@@ -269,28 +287,9 @@ class CacheEntry:
         self.index.files[name] = digest
         self._dirty = True
 
-    def _mark_in_use(self) -> None:
-        """Hold a shared lock on the entry's marker for the life of the process (prune skips it).
-
-        A read-only cache (a mounted image) cannot be marked, and needs no protection from prune.
-        """
-        marker = self.path / INUSE
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: prune falls back to last-used times only
-            with contextlib.suppress(OSError):
-                marker.touch()
-            return
-        try:
-            f = marker.open("a+b")
-        except OSError as e:
-            # A read-only cache (a baked image) still loads; nothing new will be saved to it.
-            trust.warn_once(self.path, _cause(e), "loading from it read-only; nothing new is saved there")
-            return
-        with contextlib.suppress(OSError):
-            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            os.utime(marker)
-        _HELD_OPEN.append(f)
+    def _mark_in_use(self, *, wait: bool) -> bool:
+        """Mark the entry in use for the life of the process (see ``liveness.mark_in_use``)."""
+        return liveness.mark_in_use(self.path, wait=wait)
 
     @contextlib.contextmanager
     def _locked_if_possible(self) -> Iterator[None]:
@@ -436,24 +435,3 @@ def warn_write_failed(path: Path, error: OSError) -> None:
 
 class EntryUnusable(Exception):
     """An existing entry cannot be used for a start without Dynamo (the reason is the message)."""
-
-
-@contextlib.contextmanager
-def exclusive_if_unused(entry_dir: Path) -> Iterator[bool]:
-    """Yield True while holding the entry exclusively (no process uses it), else False."""
-    marker = entry_dir / INUSE
-    try:
-        import fcntl
-    except ImportError:
-        yield True
-        return
-    if not marker.exists():
-        yield True
-        return
-    with marker.open("a+b") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
-        yield True

@@ -38,6 +38,17 @@ def file_mode() -> int:
 
 def make_dir(path: Path) -> None:
     """Create ``path`` and its missing parents with the cache's directory mode."""
+    for _ in range(10):
+        try:
+            _make_missing(path)
+            return
+        except FileNotFoundError:
+            # `cache prune` removes an entry's parents once empty: one may go between our mkdirs.
+            continue
+    _make_missing(path)
+
+
+def _make_missing(path: Path) -> None:
     missing = []
     for parent in (path, *path.parents):
         if parent.exists():
