@@ -15,6 +15,8 @@ import torch
 
 from tests.child import ROOT, child_env, run_toy
 
+pytestmark = pytest.mark.slow  # several processes per test: not in make test-fast
+
 
 def cli(cache: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(  # noqa: PLW1510 (return codes are asserted)

@@ -4,7 +4,11 @@ The diffusers example needs the [diffusers] extra, which ``make install`` instal
 
 from __future__ import annotations
 
+import pytest
+
 from tests.child import run_module
+
+pytestmark = pytest.mark.slow  # a pipeline in a fresh process: not in make test-fast
 
 
 def test_the_diffusers_pipeline_example_matches_eager_at_batch_1_and_2(tmp_path):

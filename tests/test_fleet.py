@@ -33,6 +33,8 @@ from tessera.cache.store import CacheEntry
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
 
+pytestmark = pytest.mark.slow  # fleets of processes and a real Redis: not in make test-fast
+
 ROOT = Path(__file__).resolve().parents[1]
 redis = pytest.importorskip("redis", reason="the redis client is a dev dependency (make test installs it)")
 

@@ -13,6 +13,8 @@ import tessera
 from tessera import hf
 from tests.child import run_json
 
+pytestmark = pytest.mark.slow  # Hugging Face models, several processes: not in make test-fast
+
 transformers = pytest.importorskip("transformers", reason="install tessera[hf] (make test does)")
 
 LAYERS = 2
