@@ -147,7 +147,8 @@ def _run_hf(tmp_path: Path, family: str, backend: str, out: str) -> dict:
 @pytest.mark.parametrize(
     ("family", "backend"),
     [
-        *((family, "eager") for family in sorted(FAMILIES)),
+        # Three families warm in CI (the 20-minute budget); `tests.run_hf` serves all six.
+        *((family, "eager") for family in ("gemma3", "llama", "qwen2")),
         pytest.param("llama", "inductor", marks=pytest.mark.inductor),
         pytest.param("qwen2", "inductor", marks=pytest.mark.inductor),
     ],
