@@ -89,3 +89,13 @@ def test_a_warm_process_compiles_nothing_on_the_guarded_path(tmp_path):
     guarded = warm["reports"][1]
     assert guarded["kind"] == "warm" and any(g["graph_break"] for g in guarded["graphs"])
     assert all(a["source"] == "loaded" for a in guarded["artifacts"])
+
+
+def test_the_report_shows_a_break_s_file_and_line_however_deep_its_path(monkeypatch, tmp_path):
+    from tessera.cli.report import short_source
+
+    deep = "/" + "/".join(["a_rather_long_directory_name"] * 8) + "/pkg/model.py:22 in forward"
+    assert short_source(deep) == "pkg/model.py:22 in forward"
+    monkeypatch.chdir(tmp_path)
+    assert short_source(f"{tmp_path}/src/model.py:7 in f") == "src/model.py:7 in f"
+    assert short_source("<eval_with_key>.3:5 in forward") == "<eval_with_key>.3:5 in forward"

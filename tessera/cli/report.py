@@ -92,13 +92,26 @@ def render(report: dict[str, Any], cold: dict[str, Any] | None = None) -> None:
     if report.get("graphs"):
         graphs = Table(title="graphs (Dynamo's guards kept: the model has graph breaks)")
         for column in ("graph", "ends", "where", "nodes", "pieces"):
-            graphs.add_column(column)
+            # The source line is what the reader looks for: fold it, never cut it with an ellipsis.
+            graphs.add_column(column, overflow="fold")
         for g in report["graphs"]:
             ends = f"graph break: {g['reason']}" if g["graph_break"] else f"frame ends ({g['reason']})"
-            graphs.add_row(str(g["index"]), ends, g["source"], str(g["nodes"]), str(g["pieces"]))
+            graphs.add_row(str(g["index"]), ends, short_source(g["source"]), str(g["nodes"]), str(g["pieces"]))
         console.print(graphs)
     if report["counters"]:
         console.print("counters: " + ", ".join(f"{k}={v}" for k, v in report["counters"].items()))
+
+
+def short_source(source: str) -> str:
+    """``/long/path/pkg/file.py:22 in f`` as ``pkg/file.py:22 in f`` (relative to the cwd if under it)."""
+    path, sep, rest = source.partition(":")
+    if not sep or not path.startswith("/"):
+        return source
+    try:
+        shown = str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        shown = "/".join(Path(path).parts[-2:])
+    return f"{shown}:{rest}"
 
 
 def _last_report_time(entry: Path) -> float:
