@@ -96,7 +96,8 @@ def render(report: dict[str, Any], cold: dict[str, Any] | None = None) -> None:
             graphs.add_column(column, overflow="fold")
         for g in report["graphs"]:
             ends = f"graph break: {g['reason']}" if g["graph_break"] else f"frame ends ({g['reason']})"
-            graphs.add_row(str(g["index"]), ends, short_source(g["source"]), str(g["nodes"]), str(g["pieces"]))
+            where = short_source(g["source"])
+            graphs.add_row(str(g["index"]), ends, where, str(g["nodes"]), str(g["pieces"]))
         console.print(graphs)
     if report["counters"]:
         console.print("counters: " + ", ".join(f"{k}={v}" for k, v in report["counters"].items()))
