@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -717,3 +718,24 @@ def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = Tru
         payload_fn=payload,
         expect_trace_id=in_compile,
     )
+
+
+def join_before_pools_shut(thread: threading.Thread) -> None:
+    """Have the interpreter's exit wait for ``thread`` before thread and process pools refuse work.
+
+    Reason: at exit, ``threading._shutdown`` runs its exit hooks before it joins non-daemon threads,
+    and ``concurrent.futures``'s hook makes every pool refuse new work ("cannot schedule new futures
+    after interpreter shutdown"). Inductor's compile submits to such pools, so a background compile
+    still running when the main thread ends would fail. Hooks run last-registered first: the pool
+    modules are imported before ours is registered, so ours runs before theirs.
+    (``threading._register_atexit`` is private to CPython; without it, the compile may fail at exit,
+    which is logged, and the next process compiles what is missing.)
+    """
+    import concurrent.futures.process
+    import concurrent.futures.thread  # noqa: F401
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    with contextlib.suppress(RuntimeError):  # already shutting down: nothing left to order
+        register(thread.join)

@@ -637,6 +637,8 @@ class CompiledModel:
         """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
         compiler, root, prefix, print_, remote = self._context
         backend = PiecewiseBackend(self.compile_config, compiler, root, prefix, remote)
+        # A trace for small sizes alone (a size-1 decode) is its whole workload: compiled at once.
+        backend.serve_traced = self._name is None
         start = time.perf_counter()
         versions = _versions(args, kwargs)
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)]

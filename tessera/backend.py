@@ -102,6 +102,10 @@ class PiecewiseBackend:
         # Serve first, specialise after: (piece, fake and real inputs, sizes, content) left for
         # the background thread, and whether every size is in place (set when nothing is left).
         self._later: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], tuple[Size, ...], str]] = []
+        # Whether a piece may serve as traced (eagerly) until its general artifact is compiled in
+        # the background (CompileConfig.serve_while_compiling). The model sets it for its dynamic
+        # trace; a trace for one small size compiles at once (that size is the whole workload).
+        self.serve_traced = False
         self.ready = threading.Event()
         self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
@@ -222,18 +226,28 @@ class PiecewiseBackend:
         sizes = self._sizes(fake_args)
         content = piece_content(item.graph, fake_args)
         self.contents[item.name] = content
-        if general_only and len(sizes) > 1:
-            self._later.append((item, fake_args, real_args, sizes[1:], content))
-            sizes = sizes[:1]
-        artifacts: dict[Size, Callable[..., Any]] = {}
+        now = sizes[:1] if general_only else sizes
+        found = None
+        if general_only and self._serves_traced():
+            found = self.manager.find(
+                item.graph, now[0], item.index, self.manager.content_key(content, now[0])
+            )
+            if found is None:
+                # The first output waits for the trace alone: the piece runs as traced, the same
+                # kernels as eager, until its general artifact (compiled first) is swapped in.
+                now = ()
+        later = sizes[len(now) :]
+        if later:
+            self._later.append((item, fake_args, real_args, later, content))
+        artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
         seconds = []
         timings = []
-        for size in sizes:
+        for size in now:
             inputs: Callable[[], Sequence[Any]] = lambda: fake_args  # noqa: E731
             if isinstance(size, int):
                 inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
             progress.start(item.name, size_label(size))
-            outcome = self.manager.get(
+            outcome = found or self.manager.get(
                 item.graph, inputs, size, item.index, self.manager.content_key(content, size)
             )
             progress.advance()
@@ -258,10 +272,13 @@ class PiecewiseBackend:
             dynamic=dynamic_inputs(fake_args, outputs),
             partitions=_partitions(self.compiler, artifacts.get(None)),
         )
-        runner = PieceRunner(item.name, artifacts, source, config.max_size)
+        runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
         split_gm.__dict__[item.name] = self._install_runner(record, runner)
 
     # -- serve first, specialise after ----------------------------------------------------------
+    def _serves_traced(self) -> bool:
+        return self.serve_traced and self.config.serve_while_compiling and self.compiler.name != "eager"
+
     def _background(self) -> bool:
         """Whether sizes and ranges compile after the first output. Not with CUDA graphs (a
         captured graph holds the artifact it was captured with)."""
@@ -282,34 +299,41 @@ class PiecewiseBackend:
             target=self._compile_later, args=(then,), name=f"tessera-compile-{self.prefix}", daemon=False
         )
         thread.start()
+        _compat.join_before_pools_shut(thread)
 
     def _compile_later(self, then: Callable[[], None] | None) -> None:
         start = time.perf_counter()
         try:
-            for item, fake_args, real_args, sizes, content in self._later:
-                for size in sizes:
-                    inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
-                    if isinstance(size, int):
-                        inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
-                    with COMPILE_LOCK:
-                        outcome = self.manager.get(
-                            item.graph, inputs, size, item.index, self.manager.content_key(content, size)
-                        )
-                    self.runners[item.name].add(size, outcome.fn)
-                    record = self.records[item.name]
-                    self.records[item.name] = dataclasses.replace(
-                        record, compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds))
+            # Every piece's general artifact first (pieces serving as traced get compiled code
+            # soonest), then the compile sizes and ranges.
+            queue = [(work, size) for work in self._later for size in work[3]]
+            queue.sort(key=lambda entry: entry[1] is not None)
+            for (item, fake_args, real_args, _, content), size in queue:
+                inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
+                if isinstance(size, int):
+                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+                with COMPILE_LOCK:
+                    outcome = self.manager.get(
+                        item.graph, inputs, size, item.index, self.manager.content_key(content, size)
                     )
-                    self.outcomes.append((item.name, size, outcome))
-                    self._record_stage(item, size, outcome)
+                self.runners[item.name].add(size, outcome.fn)
+                record = self.records[item.name]
+                self.records[item.name] = dataclasses.replace(
+                    record,
+                    compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
+                    partitions=_partitions(self.compiler, outcome.fn) if size is None else record.partitions,
+                )
+                self.outcomes.append((item.name, size, outcome))
+                self._record_stage(item, size, outcome)
             with COMPILE_LOCK:
                 self.manager.flush()  # the background's artifacts in the index, in one write
                 if then is not None:
                     then()
-        except Exception as e:  # the general artifacts keep serving: said once, and in the report
+        except Exception as e:  # what serves keeps serving: said once, and in the report
             self.background_status = f"failed: {type(e).__name__}: {e}"
             log.warning(
-                "%s: a background compile failed (%s: %s); the general artifacts keep serving every size",
+                "%s: a background compile failed (%s: %s); what serves now (the general artifacts, "
+                "or pieces as traced) keeps serving every size",
                 self.prefix,
                 type(e).__name__,
                 e,

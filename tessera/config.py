@@ -49,6 +49,11 @@ class SizeRange:
 Size = int | SizeRange | None
 
 
+# Appended to a general entry that is the piece as traced (eager kernels), serving until its
+# compiled artifact is ready (CompileConfig.serve_while_compiling).
+TRACED_LABEL = "(as traced)"
+
+
 def size_label(size: Size) -> str:
     """``general``, ``size 16`` or ``range [9,32]``: how records and logs name an artifact."""
     if size is None:
@@ -109,6 +114,11 @@ class CompileConfig:
     # only; compile sizes and ranges compile in a background thread and are swapped in when
     # ready. False compiles everything before the first output (tests, batch jobs).
     background_compile: bool = field(default_factory=lambda: not v.env_off("BACKGROUND_COMPILE"))
+    # With background_compile: the first output waits for the trace alone. Each piece runs as
+    # traced (the same ATen kernels as eager) until its general artifact, compiled first in the
+    # background, is swapped in. False: the first output waits for each distinct piece's general
+    # compile. A first call of a listed size under 2 (a size-1 decode) is always compiled at once.
+    serve_while_compiling: bool = True
     debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
     cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
 
@@ -124,6 +134,7 @@ class CompileConfig:
         v.check_bool("graph_partition", self.graph_partition)
         v.check_bool("fullgraph", self.fullgraph)
         v.check_bool("background_compile", self.background_compile)
+        v.check_bool("serve_while_compiling", self.serve_while_compiling)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),

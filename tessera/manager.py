@@ -93,24 +93,10 @@ class CompilerManager:
         """
         start = time.perf_counter()
         counters.bump("backend_compilations")
+        found = self.find(graph, size, index, content)
+        if found is not None:
+            return found
         key = index_key(size, index, self.compiler.name)
-        loaded = self._load(key, graph, size, index)
-        if isinstance(loaded, Fallback):
-            counters.bump("artifact_fallbacks")
-            self.fallbacks.append(loaded)
-        elif loaded is not None:
-            counters.bump("cache_hits")
-            self.loaded += 1
-            outcome = CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
-            self._by_content.setdefault(content, outcome)
-            return outcome
-        twin = self._by_content.get(content)
-        if twin is not None:
-            counters.bump("cache_hits")
-            shared = twin.record
-            if self.store is not None and shared is not None:
-                self._write(lambda store: store.link_artifacts({key: shared}))
-            return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
         # A unique scratch name: several processes may compile the same entry at once. Its writer
         # token tells `cache clear` that this process is alive until the artifact is recorded.
         owner = None
@@ -129,6 +115,32 @@ class CompilerManager:
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome
+
+    def find(
+        self, graph: torch.fx.GraphModule, size: Size, index: int, content: str
+    ) -> CompileOutcome | None:
+        """The artifact for ``(size, index)`` if it needs no compile: loaded from the index, or an
+        identical piece's from this process; None when only a compile would give it."""
+        start = time.perf_counter()
+        key = index_key(size, index, self.compiler.name)
+        loaded = self._load(key, graph, size, index)
+        if isinstance(loaded, Fallback):
+            counters.bump("artifact_fallbacks")
+            self.fallbacks.append(loaded)
+        elif loaded is not None:
+            counters.bump("cache_hits")
+            self.loaded += 1
+            outcome = CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
+            self._by_content.setdefault(content, outcome)
+            return outcome
+        twin = self._by_content.get(content)
+        if twin is not None:
+            counters.bump("cache_hits")
+            shared = twin.record
+            if self.store is not None and shared is not None:
+                self._write(lambda store: store.link_artifacts({key: shared}))
+            return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
+        return None
 
     def flush(self) -> None:
         """Write what this turn recorded to the entry's index: once, however many pieces."""

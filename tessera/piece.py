@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tessera._compat import is_constant_symint, sym_expr
-from tessera.config import Size, SizeRange, size_label
+from tessera.config import TRACED_LABEL, Size, SizeRange, size_label
 from tessera.errors import ConfigError, SizeNotCompiledError
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,17 @@ class PieceRunner:
         artifacts: dict[Size, Callable[..., Any]],
         size_source: SizeSource | None,
         max_size: int | None,
+        traced_general: bool = False,
     ) -> None:
+        """``traced_general``: the general entry is the piece as traced (eager kernels), serving
+        until its compiled artifact is added."""
         self.name = name
         self.max_size = max_size
         self._source = size_source
         self._artifacts = {size: _Artifact(fn, size_label(size)) for size, fn in artifacts.items()}
+        if traced_general:
+            self._artifacts[None].label = f"{size_label(None)} {TRACED_LABEL}"
+        self._retired: tuple[_Artifact, ...] = ()  # replaced by an added artifact; kept for served()
         self._general = self._artifacts.get(None)
         self._ranges = sorted(
             ((s, a) for s, a in self._artifacts.items() if isinstance(s, SizeRange)),
@@ -147,6 +153,8 @@ class PieceRunner:
         structure the call path reads is replaced whole, never changed in place: a call in flight
         finishes on the artifact it chose, and every structure it may read is correct alone."""
         added = _Artifact(fn, size_label(size))
+        if size in self._artifacts:
+            self._retired = (*self._retired, self._artifacts[size])
         artifacts = {**self._artifacts, size: added}
         if isinstance(size, SizeRange):
             self._ranges = sorted(
@@ -154,6 +162,8 @@ class PieceRunner:
             )
         elif isinstance(size, int):
             self._exact = {**self._exact, size: added}
+        else:  # the general artifact, compiled while the piece served as traced
+            self._general = added
         self._artifacts = artifacts
         self._memo = dict(self._exact)  # sizes memoised on the general artifact look again
 
@@ -181,7 +191,7 @@ class PieceRunner:
 
     def served(self) -> tuple[tuple[str, int], ...]:
         """How many calls each artifact has served so far."""
-        return tuple((a.label, a.served) for a in self._artifacts.values())
+        return tuple((a.label, a.served) for a in (*self._retired, *self._artifacts.values()))
 
 
 def find_size_source(example_inputs: Sequence[Any], symbol: Any = None) -> SizeSource | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.config import CompileConfig, size_label
+from tessera.config import TRACED_LABEL, CompileConfig, size_label
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ class CompileReport:
         breaks = sum(g.graph_break for g in self.graphs)
         graphs = f"{len(self.graphs)} graphs ({breaks} graph breaks), " if self.graphs else ""
         later = ""
-        if self.background == "running":
+        if self.background == "running" and any(a.source == "as traced" for a in self.artifacts):
+            later = "; pieces serve as traced while they compile in the background"
+        elif self.background == "running":
             later = "; sizes and ranges compiling in the background"
         elif self.background == "done" and self.all_sizes_ready_seconds is not None:
             later = f"; every size ready at {self.all_sizes_ready_seconds:.2f}s"
@@ -155,6 +157,13 @@ def build_report(
                     bytes=record.size if record is not None else 0,
                     served=served.get(size_label(size), 0),
                 )
+            )
+        for piece, runner in list(backend.runners.items()):
+            # Pieces that served as traced while their general artifact compiled (background).
+            artifacts.extend(
+                ArtifactReport(piece, label, "as traced", 0.0, file="", bytes=0, served=n)
+                for label, n in runner.served()
+                if label.endswith(TRACED_LABEL)
             )
     records = backend.pieces() if backend is not None else ()
     store = backend.store if backend is not None else None

@@ -1,6 +1,7 @@
-"""Serve first, specialise after: the first output waits for the general artifacts only; compile
-sizes and ranges compile in the background and are swapped in when ready, equal to eager at
-every moment. (The rest of the suite compiles up front: TESSERA_BACKGROUND_COMPILE=0, conftest.)"""
+"""Serve first, specialise after: the first output waits for the trace alone (pieces serve as
+traced); general artifacts, then compile sizes and ranges, compile in the background and are
+swapped in when ready, equal to eager at every moment. (The rest of the suite compiles up
+front: TESSERA_BACKGROUND_COMPILE=0, conftest.)"""
 
 from __future__ import annotations
 
@@ -18,13 +19,18 @@ from tests.child import run_toy
 
 
 class GatedCompiler:
-    """Runs graphs as Python; a compile for a static size or a range waits for ``gate`` (the test
-    holds the background compile where it wants it), and raises if ``fail`` is set."""
+    """Runs graphs as Python; a general compile waits for ``general_gate``, a compile for a static
+    size or a range for ``gate`` (the test holds the background compile where it wants it), and
+    a size raises if ``fail`` is set. ``sizes_waiting`` is set when a size compile starts
+    (the background compiles every general artifact, and swaps it in, before any size)."""
 
     name = "gated"
     gate: ClassVar[threading.Event] = threading.Event()
+    general_gate: ClassVar[threading.Event] = threading.Event()
+    sizes_waiting: ClassVar[threading.Event] = threading.Event()
     fail: ClassVar[bool] = False
     compiled: ClassVar[list[Any]] = []
+    compiled_calls: ClassVar[list[Any]] = []  # the size of each call a compiled artifact served
 
     def compute_hash(self) -> str:
         return "gated-v1"
@@ -33,12 +39,20 @@ class GatedCompiler:
         pass
 
     def compile(self, graph, example_inputs, config, size, key):
-        if size is not None:
+        if size is None:
+            assert GatedCompiler.general_gate.wait(60), "the test never opened the general gate"
+        else:
+            GatedCompiler.sizes_waiting.set()
             assert GatedCompiler.gate.wait(60), "the test never opened the gate"
             if GatedCompiler.fail:
                 raise RuntimeError("this compiler cannot do static sizes")
         GatedCompiler.compiled.append(size)
-        return graph.forward, None
+
+        def artifact(*args: Any) -> Any:
+            GatedCompiler.compiled_calls.append(size)
+            return graph.forward(*args)
+
+        return artifact, None
 
     def load(self, handle, graph, example_inputs, index, size):
         raise AssertionError("nothing is saved, so nothing is loaded")
@@ -48,41 +62,66 @@ class GatedCompiler:
 def gated():
     # The class tessera loads by name (pytest may import this file under another module name).
     cls = importlib.import_module("tests.test_background").GatedCompiler
-    cls.gate.clear()
+    for event in (cls.gate, cls.general_gate, cls.sizes_waiting):
+        event.clear()
     cls.fail = False
     cls.compiled = []
+    cls.compiled_calls = []
     yield cls
     cls.gate.set()  # never leave a background thread waiting
+    cls.general_gate.set()
 
 
 def served(compiled: tessera.CompiledModel) -> dict[str, int]:
     return dict(next(p for p in compiled.pieces if not p.is_splitting).served)
 
 
-def test_the_first_output_waits_for_the_general_artifacts_only(gated):
-    model = toy_llama.build(num_layers=2)
+def gated_model(layers: int, **options: Any) -> tuple[torch.nn.Module, tessera.CompiledModel]:
+    model = toy_llama.build(num_layers=layers)
     compiled = tessera.compile(
         model,
         backend="tests.test_background:GatedCompiler",
-        compile_sizes=[8],
-        compile_ranges=[16],
         background_compile=True,
         disable_cache=True,
+        **options,
     )
-    for n in (5, 8, 20):  # all served while the background compile is held at the gate
+    return model, compiled
+
+
+def test_the_first_output_waits_for_the_trace_alone_then_general_then_sizes_swap_in(gated):
+    model, compiled = gated_model(2, compile_sizes=[8], compile_ranges=[16])
+    # Nothing compiled yet: every piece serves as traced (eager kernels), equal to eager.
+    for n in (5, 8, 20):
         args = toy_llama.example_inputs(n)
-        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, as traced")
     assert not compiled.ready and not compiled.wait_ready(0.05)
-    assert gated.compiled and set(gated.compiled) == {None}, "only general artifacts so far"
-    assert served(compiled) == {"general": 3}
+    assert gated.compiled == [] and gated.compiled_calls == []
+    assert served(compiled) == {"general (as traced)": 3}
     report = compiled.report
     assert report is not None and report.background == "running" and report.all_sizes_ready_seconds is None
+    assert "serve as traced" in report.summary()
+    assert {a.source for a in report.artifacts} == {"as traced"}
+    # Every general artifact compiled and swapped in; the sizes are held at their gate.
+    gated.general_gate.set()
+    assert gated.sizes_waiting.wait(60)
+    assert set(gated.compiled) == {None} and not compiled.ready
+    for n in (5, 8, 20):
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, general")
+    assert served(compiled) == {"general (as traced)": 3, "general": 3}
+    assert gated.compiled_calls and set(gated.compiled_calls) == {None}
     gated.gate.set()
     assert compiled.wait_ready(60) and compiled.ready
     for n in (8, 20, 5):
         args = toy_llama.example_inputs(n)
-        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
-    assert served(compiled) == {"general": 3, "size 8": 1, "range [1,16]": 1, "range [17,max]": 1}
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, every size")
+    assert served(compiled) == {
+        "general (as traced)": 3,
+        "general": 3,
+        "size 8": 1,
+        "range [1,16]": 1,
+        "range [17,max]": 1,
+    }
     report = compiled.report
     assert report is not None and report.background == "done"
     assert (
@@ -91,17 +130,33 @@ def test_the_first_output_waits_for_the_general_artifacts_only(gated):
     assert "every size ready" in report.summary()
 
 
+def test_without_serving_while_compiling_the_first_output_waits_for_the_general_artifacts(gated):
+    gated.general_gate.set()
+    model, compiled = gated_model(2, compile_sizes=[8], serve_while_compiling=False)
+    for n in (5, 8):
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
+    assert gated.compiled and set(gated.compiled) == {None}, "only general artifacts so far"
+    assert served(compiled) == {"general": 2} and not compiled.ready
+    gated.gate.set()
+    assert compiled.wait_ready(60)
+
+
+def test_a_first_call_of_a_small_listed_size_is_compiled_at_once(gated):
+    # A size-1 decode service: its trace is its whole workload, so it never serves as traced.
+    gated.general_gate.set()
+    model, compiled = gated_model(1, compile_sizes=[1, 8])
+    for _ in range(3):
+        args = toy_llama.example_inputs(1)
+        torch.testing.assert_close(compiled(*args), model(*args))
+    assert gated.compiled_calls == [None] * 3 * 2, "every call of both pieces on a compiled artifact"
+
+
 def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep_serving(gated, caplog):
     gated.fail = True
     gated.gate.set()
-    model = toy_llama.build(num_layers=1)
-    compiled = tessera.compile(
-        model,
-        backend="tests.test_background:GatedCompiler",
-        compile_sizes=[8],
-        background_compile=True,
-        disable_cache=True,
-    )
+    gated.general_gate.set()
+    model, compiled = gated_model(1, compile_sizes=[8])
     with caplog.at_level(logging.WARNING, logger="tessera.backend"):
         args = toy_llama.example_inputs(8)
         torch.testing.assert_close(compiled(*args), model(*args))
@@ -109,7 +164,7 @@ def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep
     failures = [r for r in caplog.records if "background compile failed" in r.getMessage()]
     assert len(failures) == 1
     torch.testing.assert_close(compiled(*args), model(*args))
-    assert served(compiled) == {"general": 2}
+    assert served(compiled) == {"general (as traced)": 1, "general": 1}
     report = compiled.report
     assert report is not None and report.background.startswith("failed: RuntimeError")
 
@@ -145,5 +200,9 @@ def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_war
     env = {"TESSERA_BACKGROUND_COMPILE": "1"}
     cold = run_toy(cache, tmp_path / "cold.pt", "--sizes", "5", "--compile-sizes", "8", **env)
     warm = run_toy(cache, tmp_path / "warm.pt", "--sizes", "5,8", "--compile-sizes", "8", **env)
-    assert cold["counters"]["inductor_compiles"] > 0
-    assert warm["warm_start"] is True and warm["counters"]["inductor_compiles"] == 0
+    # The cold child's counters are read after its calls, while it may still be compiling.
+    assert cold["warm_start"] is False and cold["counters"]["graphs_traced"] == 1
+    assert warm["warm_start"] is True and warm["counters"]["inductor_compiles"] == 0, warm["counters"]
+    counts = warm["counters"]
+    assert counts.get("graphs_traced", 0) == 0
+    assert counts["artifacts_loaded"] == 2 * counts["compiled_pieces"], "general and size 8 of each piece"

@@ -378,3 +378,28 @@ def test_the_installed_torch_is_in_the_tested_range_and_others_warn_once(monkeyp
             tessera.compile(two_inputs, backend="eager")  # once per process
     finally:
         api._warn_if_untested_torch.cache_clear()
+
+
+def test_a_thread_joined_before_pools_shut_can_still_use_a_pool_after_the_main_thread_ends():
+    # The thread starts its pool work only once the interpreter's exit has begun (a hook
+    # registered after ours runs before it and opens the gate): the main thread has ended.
+    script = """
+import concurrent.futures, threading
+from tessera import _compat
+gate = threading.Event()
+def work():
+    gate.wait()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        print("pool says", pool.submit(lambda: 6 * 7).result(), flush=True)
+thread = threading.Thread(target=work)
+thread.start()
+_compat.join_before_pools_shut(thread)
+threading._register_atexit(gate.set)
+"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0 and "pool says 42" in proc.stdout, proc.stderr[-2000:]

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import secrets
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,10 @@ _HELD_OPEN: list[int] = []  # in-use markers held (shared-locked) for the life o
 _ROOTS: list[str] = []  # cache roots this process uses (absolute): writer locks live there
 _WRITER_LOCKS: dict[str, int] = {}  # writer lock path -> descriptor held for the process's life
 _TOKEN: list[str] = []  # this process's writer token, made on first use
+# Two threads (a call writing its report, a background compile writing an artifact) must not both
+# open and lock a new writer lock: flock conflicts between two descriptors of one process, so the
+# second would wait forever on the first's.
+_TOKEN_LOCK = threading.Lock()
 
 
 def _forget_after_fork() -> None:
@@ -166,6 +171,11 @@ def writer_token(directory: Path) -> str:
     top, in ``directory`` itself): from the moment the temp file exists, ``cache clear`` can tell
     that its writer is alive. OSError if no lock can be made (no temp file could be either).
     """
+    with _TOKEN_LOCK:
+        return _writer_token(directory)
+
+
+def _writer_token(directory: Path) -> str:
     if not _TOKEN:
         _TOKEN.append(f"{os.getpid()}-{secrets.token_hex(6)}")
     token = _TOKEN[0]
