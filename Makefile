@@ -52,7 +52,7 @@ docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict -q
 
 bench: $(STAMP)
-	$(PY) benchmarks/steady_state.py
+	$(PY) -m benchmarks.steady_state
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,11 +1,216 @@
-"""Eight replicas against one Redis (and four torchrun ranks on one machine) compile once.
+"""A fleet starting at once: Inductor compiles in total and each replica's time to first output.
 
-Run: ``python benchmarks/fleet.py [--replicas 8] [--ranks 4]``; prints JSON. Needs redis-server.
+Eight replicas (processes, each with its own empty local cache root) against one Redis, next to
+the same eight with no remote tier; and four torchrun ranks (gloo): sharing one machine's cache
+root, then each with its own empty root (as on separate machines) with and without Redis.
+JSON out. Needs ``redis-server`` on PATH and ``tessera[remote]``.
 """
 
 from __future__ import annotations
 
-from tessera.cli.bench.fleet import main
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import header
+
+LAYERS = 4
+WIDTH = 128
+
+
+def member(out: str, barrier: str | None, distributed: bool) -> None:
+    """One replica or rank: compile the toy Llama, run it, write what it cost."""
+    start = time.time()
+    import torch
+
+    import tessera
+    from tessera.models import toy_llama
+
+    name = f"replica-{os.getpid()}"
+    if distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        name = f"rank-{dist.get_rank()}"
+        if os.environ.get("FLEET_BENCH_ROOT_PER_RANK"):  # ranks as if on separate machines
+            base = Path(os.environ["TESSERA_CACHE_DIR"])
+            os.environ["TESSERA_CACHE_DIR"] = str(base / name)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / f"inductor-{name}")
+    if barrier:
+        (Path(barrier) / f"ready.{os.getpid()}").touch()
+        while not (Path(barrier) / "go").exists():
+            time.sleep(0.01)
+        start = time.time()
+    model = toy_llama.build(num_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH)
+    compiled = tessera.compile(model, backend="inductor")
+    with torch.no_grad():
+        out_tensor = compiled(*toy_llama.example_inputs(16))
+    first = time.time() - start
+    with torch.no_grad():
+        correct = bool(torch.allclose(out_tensor, model(*toy_llama.example_inputs(16)), atol=1e-4, rtol=1e-4))
+    report = {"first_output_seconds": first, "correct": correct, "counters": tessera.counters.snapshot()}
+    Path(out, f"{name}.json").write_text(json.dumps(report))
+    if distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    firsts = [r["first_output_seconds"] for r in reports]
+    return {
+        "processes": len(reports),
+        "all_correct": all(r["correct"] for r in reports),
+        "inductor_compiles_total": sum(r["counters"]["inductor_compiles"] for r in reports),
+        "first_output_seconds": sorted(round(f, 2) for f in firsts),
+        "first_output_median": statistics.median(firsts),
+        "first_output_max": max(firsts),
+    }
+
+
+def replicas(scratch: Path, count: int, remote: str | None) -> dict[str, Any]:
+    out, barrier = scratch / "out", scratch / "barrier"
+    out.mkdir()
+    barrier.mkdir()
+    procs = []
+    for i in range(count):
+        env = dict(os.environ, TESSERA_CACHE_DIR=str(scratch / f"local{i}"))
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / f"inductor{i}")  # a fresh node each
+        env.pop("TESSERA_CACHE_REMOTE", None)
+        if remote:
+            env["TESSERA_CACHE_REMOTE"] = remote
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet",
+            "--member",
+            str(out),
+            "--barrier",
+            str(barrier),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        )
+    while len(list(barrier.glob("ready.*"))) < count:
+        failed = next((proc for proc in procs if proc.poll() is not None), None)
+        if failed is not None:  # it will never be ready: say why instead of waiting forever
+            raise RuntimeError(f"a replica exited before the start:\n{failed.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    (barrier / "go").touch()
+    for proc in procs:
+        _, err = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"replica failed:\n{err[-3000:]}")
+    return _summary(out)
+
+
+def ranks(scratch: Path, count: int, remote: str | None, per_rank_roots: bool) -> dict[str, Any]:
+    """``count`` ranks under torchrun: one machine's cache root shared by all, or a root per rank
+    (as ranks on separate machines would have), with or without the Redis tier."""
+    out = scratch / "out"
+    out.mkdir()
+    env = dict(
+        os.environ, TESSERA_CACHE_DIR=str(scratch / "root"), TORCHINDUCTOR_CACHE_DIR=str(scratch / "ind")
+    )
+    env.pop("TESSERA_CACHE_REMOTE", None)
+    if remote:
+        env["TESSERA_CACHE_REMOTE"] = remote
+    if per_rank_roots:
+        env["FLEET_BENCH_ROOT_PER_RANK"] = "1"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--nproc-per-node", str(count), "--master-port", str(_free_port())]
+    cmd += ["-m", "benchmarks.fleet", "--member", str(out), "--distributed"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun failed:\n{proc.stderr[-3000:]}")
+    return _summary(out)
+
+
+def _flush(port: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"FLUSHALL\r\n")
+        if not conn.recv(16).startswith(b"+OK"):
+            raise RuntimeError("redis FLUSHALL failed")
+
+
+def _wait_for_redis(port: int, server: subprocess.Popen[bytes]) -> None:
+    """Until redis-server accepts connections (or exits)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--member")
+    parser.add_argument("--barrier")
+    parser.add_argument("--distributed", action="store_true")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=4)
+    args = parser.parse_args(argv)
+    if args.member:
+        member(args.member, args.barrier, args.distributed)
+        return 0
+    binary = shutil.which("redis-server")
+    if binary is None:
+        print("fleet benchmark: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {
+        **header("fleet"),
+        "model": {"family": "toy_llama", "layers": LAYERS, "width": WIDTH},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        port = _free_port()
+        server = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            cwd=scratch,
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            _wait_for_redis(port, server)
+            url = f"redis://127.0.0.1:{port}/0"
+            for name, runner in (
+                ("replicas_with_redis", lambda d: replicas(d, args.replicas, url)),
+                ("replicas_without_remote", lambda d: replicas(d, args.replicas, None)),
+                ("ranks_one_machine_cache", lambda d: ranks(d, args.ranks, None, False)),
+                ("ranks_root_per_rank_with_redis", lambda d: ranks(d, args.ranks, url, True)),
+                ("ranks_root_per_rank_without_remote", lambda d: ranks(d, args.ranks, None, True)),
+            ):
+                if name.startswith("ranks"):  # a fresh store: ranks do not find the replicas' entries
+                    _flush(port)
+                (scratch / name).mkdir()
+                result[name] = runner(scratch / name)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print(json.dumps(result, indent=2))
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,13 +1,191 @@
-"""Steady-state per-call latency of eager, stock torch.compile and tessera; prints JSON.
+"""Steady-state per-call latency: eager vs stock torch.compile vs tessera, same process, JSON out.
 
-Run: ``python benchmarks/steady_state.py [--quick]`` (same as ``tessera bench``).
+Also the dispatch overhead of tessera with the ``eager`` compiler on a 12-layer tiny model.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 import sys
+import tempfile
+import time
+from typing import Any
 
-from tessera.cli.bench.steady_state import main
+import torch
+
+import tessera
+from benchmarks import header
+from tessera.models import toy_llama
+from tessera.timing import per_call_seconds
+
+SIZES = (1, 16, 64)
+INDUCTOR_MODEL: dict[str, Any] = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+}
+
+
+def inductor_latency(repeats: int) -> dict[str, Any]:
+    """Toy Llama (4 layers, width 256): per-call seconds for eager, stock and tessera."""
+    sizes = INDUCTOR_MODEL
+    model = toy_llama.build(**sizes)
+    ours = tessera.compile(model, backend="inductor", compile_sizes=list(SIZES), disable_cache=True)
+    stock = torch.compile(model, backend="inductor", dynamic=True)
+    with torch.no_grad():
+        ours(*toy_llama.example_inputs(8))
+        stock(*toy_llama.example_inputs(8))
+    rows = []
+    for n in SIZES:
+        args = toy_llama.example_inputs(n)
+        eager_s = per_call_seconds(model, *args, repeats=repeats)
+        stock_s = per_call_seconds(stock, *args, repeats=repeats)
+        ours_s = per_call_seconds(ours, *args, repeats=repeats)
+        rows.append(
+            {
+                "tokens": n,
+                "eager_ms": eager_s * 1e3,
+                "stock_compile_ms": stock_s * 1e3,
+                "tessera_ms": ours_s * 1e3,
+                "tessera_over_stock": ours_s / stock_s,
+                "tessera_over_eager": ours_s / eager_s,
+            }
+        )
+    return {"model": sizes, "compiler": "inductor", "compile_sizes": list(SIZES), "rows": rows}
+
+
+def dispatch_overhead(repeats: int) -> dict[str, Any]:
+    """12 layers, tiny widths: tessera with the eager compiler against the eager model, with the
+    per-call input check on (the default) and off (``check_inputs=False``)."""
+    sizes: dict[str, Any] = {
+        "num_layers": 12,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+    }
+    model = toy_llama.build(**sizes)
+    checked = tessera.compile(model, backend="eager", disable_cache=True)
+    unchecked = tessera.compile(model, backend="eager", disable_cache=True, check_inputs=False)
+    with torch.no_grad():
+        checked(*toy_llama.example_inputs(8))
+        unchecked(*toy_llama.example_inputs(8))
+    rows = []
+    for n in SIZES:
+        args = toy_llama.example_inputs(n)
+        eager_s = per_call_seconds(model, *args, repeats=repeats, inner=50)
+        checked_s = per_call_seconds(checked, *args, repeats=repeats, inner=50)
+        unchecked_s = per_call_seconds(unchecked, *args, repeats=repeats, inner=50)
+        rows.append(
+            {
+                "tokens": n,
+                "eager_ms": eager_s * 1e3,
+                "tessera_eager_ms": checked_s * 1e3,
+                "tessera_eager_unchecked_ms": unchecked_s * 1e3,
+                "tessera_over_eager": checked_s / eager_s,
+                "check_cost_us": (checked_s - unchecked_s) * 1e6,
+            }
+        )
+    return {
+        "model": sizes,
+        "compiler": "eager",
+        "check_assumptions": len(checked.call_spec.assumptions) if checked.call_spec else 0,
+        "check_alone_us": _check_alone_us(checked),
+        "rows": rows,
+    }
+
+
+def _check_alone_us(compiled: Any) -> float:
+    """The call check on its own: the same generated check in front of a call that does nothing."""
+    import timeit
+
+    from tessera import guards
+
+    assert compiled.call_spec is not None, "compile first"
+    passed = []
+    check = guards.make_checked_call(
+        compiled.call_spec, lambda *a, **k: passed.append(1), lambda a, k: None, compiled.check_namespace
+    )
+    args = toy_llama.example_inputs(16)
+    number = 20000
+    with torch.no_grad():  # as the calls run: grad enabled takes the slow path
+        best = min(timeit.repeat(lambda: check(*args), number=number, repeat=5))
+    assert len(passed) == number * 5, "the check must pass for what it measures to be the check"
+    return best / number * 1e6
+
+
+def _cold_compile(options: dict[str, Any]) -> tuple[Any, float]:
+    """One way of compiling the 4-layer toy Llama, compiled on an empty Inductor cache; its seconds."""
+    model = toy_llama.build(**INDUCTOR_MODEL)
+    compiled = tessera.compile(model, backend="inductor", disable_cache=True, **options)
+    # An empty Inductor cache directory: every variant's cold compile is a real one, whatever ran
+    # before (Inductor reads the variable at each cache access).
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="tessera-variant-") as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                compiled(*toy_llama.example_inputs(8))
+            cold = time.perf_counter() - start
+        finally:
+            if previous is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    return compiled, cold
+
+
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("piecewise, backed", {}),
+    ("graph partition", {"graph_partition": True}),
+    ("piecewise, unbacked", {"dynamic_shapes": "unbacked"}),
+    ("piecewise, backed_size_oblivious", {"dynamic_shapes": "backed_size_oblivious"}),
+)
+
+
+def variants(repeats: int) -> list[dict[str, Any]]:
+    """Piecewise (backed, the default) against graph partition and the other dynamic-shape modes.
+
+    Everything is compiled first; then each round times every variant at every size in turn, and a
+    figure is the median over the rounds. Timing one variant after another let whatever the
+    machine did meanwhile (Inductor's compile workers settling, another process) land on one
+    variant alone and read as a difference between modes.
+    """
+    rows: list[dict[str, Any]] = [{"variant": "eager (reference)"}]
+    fns: list[Any] = [toy_llama.build(**INDUCTOR_MODEL)]
+    for name, options in VARIANTS:
+        compiled, cold = _cold_compile(options)
+        rows.append({"variant": name, "options": options, "cold_compile_seconds": cold})
+        fns.append(compiled)
+    samples: dict[tuple[int, int], list[float]] = {}
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            for n in SIZES:
+                seconds = per_call_seconds(fn, *toy_llama.example_inputs(n), warmup=1, repeats=1)
+                samples.setdefault((i, n), []).append(seconds)
+    for (i, n), values in samples.items():
+        rows[i][f"ms_{n}_tokens"] = statistics.median(values) * 1e3
+    return rows
+
+
+def main(quick: bool = False) -> int:
+    repeats = 5 if quick else 15
+    torch.manual_seed(0)
+    result = {
+        **header("steady_state"),
+        "dispatch_overhead": dispatch_overhead(repeats),
+        "inductor": inductor_latency(repeats),
+        "variants": variants(repeats),
+    }
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main(quick="--quick" in sys.argv[1:]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 import inspect
 import json
@@ -121,6 +122,27 @@ def _warn_if_untested_torch() -> None:
         warnings.warn(reason, UntestedTorchWarning, stacklevel=3)
 
 
+class Stage(enum.Enum):
+    """Where a compiled model is in its life (``compiled.stage``)."""
+
+    UNBUILT = "unbuilt"  # no general trace yet (none, or only small-size children, served calls)
+    TRACING = "tracing"  # the first call is loading or tracing and compiling
+    READY = "ready"  # later calls go through the call check to what was installed
+    RETRACING = "retracing"  # argument state the trace read changed: one more trace
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceContext:
+    """What a trace of this model needs, found at the first call: compiler, cache root and
+    prefix, the model's fingerprint (None: no whole-model artifact) and the remote tier."""
+
+    compiler: Any
+    root: Path | None
+    prefix: str
+    fingerprint: str | None
+    remote: RemoteTier | None
+
+
 class CompiledModel:
     """Same call signature and results as the model; ``pieces`` and ``cache_dir`` tell the rest."""
 
@@ -162,13 +184,8 @@ class CompiledModel:
         self._marked_paths: dict[str, frozenset[int]] = {}  # args[i] / kwargs['k'] -> dims marked
         # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
         self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
-        self._context: tuple[Any, Path | None, str, str | None, RemoteTier | None] = (
-            None,
-            None,
-            "model",
-            None,
-            None,
-        )
+        self._context = TraceContext(None, None, "model", None, None)
+        self.stage = Stage.UNBUILT
         self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see guards.py)
         self._state_retraces = 0
         self._trace_code: types.CodeType | None = None
@@ -346,10 +363,17 @@ class CompiledModel:
                 self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
         self._counters_before = counters.snapshot()
-        output, call = self._compile(args, kwargs)
-        if call is None:  # deferred: this call ran eagerly
+        self.stage = Stage.TRACING
+        try:
+            output, call = self._compile(args, kwargs)
+        except BaseException:
+            self.stage = Stage.UNBUILT  # the next call tries again
+            raise
+        if call is None:  # served by a small-size child: the general trace waits for its size
+            self.stage = Stage.UNBUILT
             return output
         self._call = call
+        self.stage = Stage.READY
         self.first_call_seconds = time.perf_counter() - start
         self._counters = counter_delta(self._counters_before, counters.snapshot())
         report = self._make_report()
@@ -446,7 +470,7 @@ class CompiledModel:
                 )
             self._deferred += 1
             return self._small_call(args, kwargs, choice.dims), None
-        self._context = (compiler, root, prefix, print_, remote)
+        self._context = TraceContext(compiler, root, prefix, print_, remote)
         if known_path is not None:
             log.info("%s: %s (recorded by an earlier process)", self.name, known_path)
             if known_path.path == "guarded":
@@ -465,7 +489,7 @@ class CompiledModel:
 
     def _record_path(self, path: str, reason: str) -> None:
         """Tell the next process which path this model takes (no one-graph trace to fail again)."""
-        _, root, _, print_, _ = self._context
+        root, print_ = self._context.root, self._context.fingerprint
         if root is None or print_ is None:
             return
         try:
@@ -635,7 +659,14 @@ class CompiledModel:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
     ) -> Any:
         """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
-        compiler, root, prefix, print_, remote = self._context
+        context = self._context
+        compiler, root, prefix, print_, remote = (
+            context.compiler,
+            context.root,
+            context.prefix,
+            context.fingerprint,
+            context.remote,
+        )
         backend = PiecewiseBackend(self.compile_config, compiler, root, prefix, remote)
         # A trace for small sizes alone (a size-1 decode) is its whole workload: compiled at once.
         backend.serve_traced = self._name is None
@@ -867,7 +898,11 @@ class CompiledModel:
                 len(self._dynamic_state),
             )
             values = bind_arguments(self._func, self._bound_to, args, kwargs)
-            output = self._trace(args, kwargs, values, self._choose(values))
+            self.stage = Stage.RETRACING
+            try:
+                output = self._trace(args, kwargs, values, self._choose(values))
+            finally:
+                self.stage = Stage.READY  # the earlier trace's path still serves if this one failed
             self._counters = counter_delta(self._counters_before, counters.snapshot())
             return output
 

@@ -41,7 +41,13 @@ from tessera.cache.key import (
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
-from tessera.compilers import Compiler
+from tessera.compilers import (
+    Compiler,
+    CountsPartitions,
+    KeepsMachineRecord,
+    ShowsOutputCode,
+    loads_without_graph,
+)
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.debug.dumps import Dumps
@@ -112,7 +118,7 @@ class PiecewiseBackend:
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
-        if cache_root is not None and hasattr(compiler, "use_machine_record"):
+        if cache_root is not None and isinstance(compiler, KeepsMachineRecord):
             compiler.use_machine_record(cache_root)
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
 
@@ -327,6 +333,9 @@ class PiecewiseBackend:
                 self._record_stage(item, size, outcome)
             with COMPILE_LOCK:
                 self.manager.flush()  # the background's artifacts in the index, in one write
+                # Every size is in place: said before `then` writes the report that tells it.
+                self.phases["background_compile"] = time.perf_counter() - start
+                self.background_status = "done"
                 if then is not None:
                     then()
         except Exception as e:  # what serves keeps serving: said once, and in the report
@@ -338,10 +347,8 @@ class PiecewiseBackend:
                 type(e).__name__,
                 e,
             )
-        else:
-            self.background_status = "done"
         finally:
-            self.phases["background_compile"] = time.perf_counter() - start
+            self.phases.setdefault("background_compile", time.perf_counter() - start)
             self._later = []
             self.ready.set()
 
@@ -352,7 +359,9 @@ class PiecewiseBackend:
             "tessera_piece", lambda: json.dumps({**event, "seconds": round(outcome.seconds, 6)})
         )
         if self.dumps is not None:
-            code = getattr(self.compiler, "output_code", lambda fn: None)(outcome.fn)
+            code = (
+                self.compiler.output_code(outcome.fn) if isinstance(self.compiler, ShowsOutputCode) else None
+            )
             self.dumps.piece(item.name, size_label(size), code or item.graph.code)
 
     def _sizes(self, fake_args: Sequence[Any]) -> tuple[Size, ...]:
@@ -441,7 +450,7 @@ class PiecewiseBackend:
         graphs = {content: blob for content, blob in saved.graphs}
         graph_of = dict(saved.piece_graphs)
         unpickled: dict[str, torch.fx.GraphModule] = {}
-        needs_graph = not getattr(self.compiler, "loads_without_graph", False)
+        needs_graph = not loads_without_graph(self.compiler)
         attributes: dict[str, Any] = {}
         for record in saved.pieces:
             graph = None
@@ -502,7 +511,7 @@ class PiecewiseBackend:
                 [i.name for i in self.items if i.is_splitting],
                 list(self.layouts.items()),
                 self.sources,
-                None if getattr(self.compiler, "loads_without_graph", False) else self.contents,
+                None if loads_without_graph(self.compiler) else self.contents,
                 spec,
             )
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
@@ -621,5 +630,4 @@ def _warn_bug_once(reason: str, entry_path: Path) -> None:
 
 
 def _partitions(compiler: Compiler, fn: Callable[..., Any] | None) -> int | None:
-    count = getattr(compiler, "partitions_of", None)
-    return count(fn) if count is not None and fn is not None else None
+    return compiler.partitions_of(fn) if isinstance(compiler, CountsPartitions) and fn is not None else None

@@ -75,10 +75,51 @@ class Compiler(Protocol):
         ...
 
 
+# Optional compiler features: a compiler has one when it has the member (isinstance checks).
+@runtime_checkable
+class HashesCheaply(Protocol):
+    """A hash for the model fingerprint that imports no compiler machinery (a warm start)."""
+
+    def warm_hash(self) -> str: ...
+
+
+@runtime_checkable
+class KeepsMachineRecord(Protocol):
+    """Keeps the results of per-process probes (CPU ISA, ...) in a file per machine."""
+
+    def use_machine_record(self, root: Path) -> None: ...
+
+
+@runtime_checkable
+class ShowsOutputCode(Protocol):
+    """Tells the generated code behind a compiled callable (debug dumps)."""
+
+    def output_code(self, fn: Callable[..., Any]) -> str | None: ...
+
+
+@runtime_checkable
+class CountsPartitions(Protocol):
+    """Tells how many partitions a compiled callable has (graph_partition mode)."""
+
+    def partitions_of(self, fn: Callable[..., Any]) -> int | None: ...
+
+
+@runtime_checkable
+class LoadsWithoutGraph(Protocol):
+    """Its saved artifacts load without the piece's graph (so a warm start need not rebuild it)."""
+
+    loads_without_graph: bool
+
+
 def warm_hash(compiler: Compiler) -> str:
     """A compiler's hash for the model fingerprint: cheap, imports no compiler machinery."""
-    cheap = getattr(compiler, "warm_hash", None)
-    return str(cheap() if callable(cheap) else compiler.compute_hash())
+    if isinstance(compiler, HashesCheaply):
+        return compiler.warm_hash()
+    return compiler.compute_hash()
+
+
+def loads_without_graph(compiler: Compiler) -> bool:
+    return isinstance(compiler, LoadsWithoutGraph) and compiler.loads_without_graph
 
 
 class EagerCompiler:

@@ -191,9 +191,12 @@ def build_report(
 def _all_ready(backend: Any, first_output: float) -> float | None:
     """Seconds from the first call's start until every size was in place (the background
     compile starts as the first output is returned)."""
-    if backend is None or not backend.ready.is_set():
+    if backend is None:
         return None
-    return first_output + dict(backend.phases).get("background_compile", 0.0)
+    phases = dict(backend.phases)
+    if "background_compile" in phases:
+        return first_output + phases["background_compile"]
+    return first_output if backend.ready.is_set() else None
 
 
 def merge_graph_reports(

@@ -232,3 +232,20 @@ def test_on_compiled_and_report_cold_and_warm():
 def test_on_compiled_must_be_callable():
     with pytest.raises(tessera.ConfigError, match="on_compiled"):
         tessera.compile(mlp, on_compiled="print")
+
+
+def test_a_compiled_model_says_its_stage_unbuilt_until_its_general_trace_then_ready():
+    from tessera.api import Stage
+
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend="eager", compile_sizes=[4])
+    assert compiled.stage is Stage.UNBUILT
+    args = toy_llama.example_inputs(1)  # size 1: served by a trace of its own, the general waits
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert compiled.stage is Stage.UNBUILT
+    args = toy_llama.example_inputs(6)
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert compiled.stage is Stage.READY
+    with pytest.raises(tessera.TesseraError):
+        compiled(torch.zeros(2, 3, 5))  # not what the trace saw: refused, and still ready
+    assert compiled.stage is Stage.READY

@@ -108,7 +108,7 @@ def test_greedy_generation_matches_eager_token_for_token(family, backend):
 def test_a_family_with_graph_breaks_runs_guarded_equal_to_eager_and_names_its_breaks():
     """CTRL registers a buffer in forward: torch.compile(fullgraph=True) cannot trace it,
     torch.compile can, and so does tessera.compile (each graph compiled and cached by tessera)."""
-    from tessera.cli.bench.hf_sweep import _build
+    from benchmarks.hf_sweep import _build
 
     model, _ = _build("ctrl")
     model.requires_grad_(False)

@@ -68,9 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo(layers=args.layers, hidden=args.hidden, backend=args.backend)
     if args.command == "bench":
-        from tessera.cli.bench.steady_state import main as bench_main
-
-        return bench_main(quick=args.quick)
+        return run_bench(quick=args.quick)
     if args.command == "cache":
         return cache_command(args)
     if args.command == "report":
@@ -180,3 +178,19 @@ def cache_command(args: argparse.Namespace) -> int:
         print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed; limit {args.max_size}")
         return 0
     return 2
+
+
+def run_bench(quick: bool) -> int:
+    """``tessera bench``: the steady-state benchmark, from the source repository's ``benchmarks``
+    package (not part of the installed wheel)."""
+    try:
+        from benchmarks.steady_state import main as bench_main
+    except ImportError:
+        print(
+            "tessera bench: the benchmarks live in the source repository's benchmarks/ package, "
+            "which the wheel does not ship; run `python -m tessera bench` (or "
+            "`python -m benchmarks.steady_state`) from a checkout of the repository",
+            file=sys.stderr,
+        )
+        return 2
+    return bench_main(quick=quick)

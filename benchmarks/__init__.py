@@ -1,11 +1,23 @@
-"""Benchmarks shipped with the package (``benchmarks/*.py`` and ``tessera bench`` run them)."""
+"""tessera's benchmarks: a package of the source repository, not shipped in the wheel.
+
+Run each from the repository root as ``python -m benchmarks.<name>`` (``tessera bench`` runs
+``benchmarks.steady_state`` when the repository is at hand). Each prints JSON and compares
+tessera with eager and stock ``torch.compile`` in the same run.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
+
+ROOT = str(Path(__file__).resolve().parents[1])
+# Benchmarks measure in fresh processes (``python -m benchmarks.<name> --child ...``): those
+# find this package from any working directory.
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 
 
 def header(name: str) -> dict[str, Any]:
