@@ -106,15 +106,15 @@ def child_load_paths(entry: str) -> None:
     """
     import tempfile
 
-    from tessera import _compat, kernels
+    from tessera import _compat, piece_file
 
     start = time.perf_counter()
     files = [p.read_bytes() for p in sorted(Path(entry, "artifacts").glob("*.bin"))]
-    pieces = [kernels.PieceFile.from_bytes(data) for data in files]
+    pieces = [piece_file.PieceFile.from_bytes(data) for data in files]
     read = time.perf_counter()
     for i, piece in enumerate(pieces):
         assert piece.direct is not None, piece.why_not_direct
-        kernels.load_direct(piece.direct, f"bench{i}")
+        piece_file.load_direct(piece.direct, f"bench{i}")
     direct = time.perf_counter()
     _compat.inductor_config()  # imports Dynamo and Inductor
     imported = time.perf_counter()

@@ -103,11 +103,11 @@ def _check_alone_us(compiled: Any) -> float:
     """The call check on its own: the same generated check in front of a call that does nothing."""
     import timeit
 
-    from tessera import guards
+    from tessera import call_check
 
     assert compiled.call_spec is not None, "compile first"
     passed = []
-    check = guards.make_checked_call(
+    check = call_check.make_checked_call(
         compiled.call_spec, lambda *a, **k: passed.append(1), lambda a, k: None, compiled.check_namespace
     )
     args = toy_llama.example_inputs(16)

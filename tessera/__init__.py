@@ -20,12 +20,12 @@ _EXPORTS = {
     "CompilerError": "tessera.errors",
     "ConfigError": "tessera.errors",
     "FallbackWarning": "tessera.errors",
-    "GradientsNotSupportedError": "tessera.guards",
-    "InputMismatchError": "tessera.guards",
+    "GradientsNotSupportedError": "tessera.call_check",
+    "InputMismatchError": "tessera.call_check",
     "PieceRecord": "tessera.piece",
     "SizeNotCompiledError": "tessera.errors",
     "SizeRange": "tessera.config",
-    "StateMismatchError": "tessera.guards",
+    "StateMismatchError": "tessera.call_check",
     "TesseraError": "tessera.errors",
     "TesseraWarning": "tessera.errors",
     "UnsupportedModelError": "tessera.errors",
@@ -63,6 +63,7 @@ __all__ = [
 if TYPE_CHECKING:
     from tessera import counters, debug, passes
     from tessera.api import CompiledModel, compile
+    from tessera.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
     from tessera.config import CompileConfig, SizeRange
     from tessera.errors import (
         ArtifactDamaged,
@@ -76,7 +77,6 @@ if TYPE_CHECKING:
         UnsupportedModelError,
         UntestedTorchWarning,
     )
-    from tessera.guards import GradientsNotSupportedError, InputMismatchError, StateMismatchError
     from tessera.piece import PieceRecord
     from tessera.report import CompileReport
 

@@ -2,7 +2,7 @@
 
 Chooses the mode's path (none / stock / trace_once / piecewise), runs the first call (a warm start
 from the whole-model artifact when there is one, else the one Dynamo trace) and puts every later
-call behind the check of what that trace assumed (guards.py) and the root module's hooks.
+call behind the check of what that trace assumed (call_check.py) and the root module's hooks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, counters, dynamo_guards, guards, hooks, validation
+from tessera import _compat, call_check, counters, dynamo_guards, hooks, validation
 from tessera.backend import COMPILE_LOCK, PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
@@ -170,7 +170,7 @@ class CompiledModel:
         self._backend: PiecewiseBackend | None = None
         self._call: Callable[..., Any] = self._first_call
         self._fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
-        self.call_spec: guards.CallSpec | None = None  # what the trace assumed of every call
+        self.call_spec: call_check.CallSpec | None = None  # what the trace assumed of every call
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
         self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
@@ -186,7 +186,7 @@ class CompiledModel:
         self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
         self._context = TraceContext(None, None, "model", None, None)
         self.stage = Stage.UNBUILT
-        self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see guards.py)
+        self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see call_check.py)
         self._state_retraces = 0
         self._trace_code: types.CodeType | None = None
         self._bound: dict[str, Any] = {}  # what the call check reads besides the arguments
@@ -638,12 +638,12 @@ class CompiledModel:
             return self._target(*args, **kwargs)
         return self._small_call(args, kwargs, self.marked_dims, every_size=True)
 
-    def _only_fixed_sizes(self, mismatches: list[tuple[guards.Assumption, Any]]) -> bool:
+    def _only_fixed_sizes(self, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
         """Whether the call differs from the trace only in the size of dims marked dynamic that
         the trace kept static: the code fixed them (a guessed dim is only "maybe dynamic")."""
         return all(self._differs_in_marked_dims(a, found) for a, found in mismatches)
 
-    def _differs_in_marked_dims(self, assumption: guards.Assumption, found: Any) -> bool:
+    def _differs_in_marked_dims(self, assumption: call_check.Assumption, found: Any) -> bool:
         match = re.fullmatch(r"(\w+\[[^\]]+\])\.shape(?:\[(\d+)\])?", assumption.expr)
         dims = self._marked_paths.get(match.group(1), frozenset()) if match else frozenset()
         if match is None or not dims:
@@ -667,9 +667,10 @@ class CompiledModel:
             context.fingerprint,
             context.remote,
         )
-        backend = PiecewiseBackend(self.compile_config, compiler, root, prefix, remote)
         # A trace for small sizes alone (a size-1 decode) is its whole workload: compiled at once.
-        backend.serve_traced = self._name is None
+        backend = PiecewiseBackend(
+            self.compile_config, compiler, root, prefix, remote, serve_traced=self._name is None
+        )
         start = time.perf_counter()
         versions = _versions(args, kwargs)
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
@@ -693,7 +694,7 @@ class CompiledModel:
         self.startup_phases["trace"] = (
             self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
         )
-        spec: guards.CallSpec = trace.guards
+        spec: call_check.CallSpec = trace.guards
         self._backend, self.warm_start, self._trace_code = backend, False, trace.code
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
@@ -719,11 +720,11 @@ class CompiledModel:
     # -- the call check ------------------------------------------------------------------------
     def _recorder(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice
-    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], guards.CallSpec]:
+    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], call_check.CallSpec]:
         """What reads Dynamo's guards into the call spec: called during the trace, after the graph
         is compiled and before the first call runs (so a model that appends to a list argument
         is checked against the list as passed)."""
-        names = guards.argument_names(self.signature, args, kwargs)
+        names = call_check.argument_names(self.signature, args, kwargs)
         dynamic: dict[str, set[int]] = {}
         for name, dim in choice.dims:
             dynamic.setdefault(name, set()).add(dim)
@@ -734,12 +735,12 @@ class CompiledModel:
 
         def read(
             facts: list[_compat.GuardFact], symbols: dict[str, tuple[str | None, ...]], writes: bool
-        ) -> guards.CallSpec:
+        ) -> call_check.CallSpec:
             symbolic = {name: tuple(s is not None for s in dims) for name, dims in symbols.items()}
             translation = dynamo_guards.translate(
                 facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
             )
-            spec = guards.record(
+            spec = call_check.record(
                 args,
                 kwargs,
                 lambda path: names.get(path, path),
@@ -763,39 +764,43 @@ class CompiledModel:
         return read
 
     def _fits(
-        self, spec: guards.CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, spec: call_check.CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The first call in the saved artifact's structure, or WarmStartUnavailable if it differs."""
         try:
-            args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
-        except guards.InputMismatchError as e:
+            args, kwargs = call_check.normalise(self.signature, spec, args, kwargs)
+        except call_check.InputMismatchError as e:
             raise WarmStartUnavailable(f"this call differs from the traced one: {e}") from e
         if spec.global_state and spec.global_state != _compat.call_state():
-            state = guards.explain_state(spec.global_state, _compat.call_state())
+            state = call_check.explain_state(spec.global_state, _compat.call_state())
             raise WarmStartUnavailable(f"the artifact was traced under another state: {state}")
         try:
             bound = spec.bind(self._target, _compat.guard_globals(self._entry.__globals__))
-        except guards.InputMismatchError as e:
+        except call_check.InputMismatchError as e:
             raise WarmStartUnavailable(str(e)) from e
         mismatches = spec.mismatches(args, kwargs, bound)
         if mismatches:
-            raise WarmStartUnavailable(f"this call differs from the traced one: {guards.explain(mismatches)}")
+            raise WarmStartUnavailable(
+                f"this call differs from the traced one: {call_check.explain(mismatches)}"
+            )
         return args, kwargs
 
     def _install(
-        self, fast: Callable[..., Any], spec: guards.CallSpec, globals_: dict[str, Any]
+        self, fast: Callable[..., Any], spec: call_check.CallSpec, globals_: dict[str, Any]
     ) -> Callable[..., Any]:
         """Every later call: root hooks as in eager, the call check, then the compiled forward."""
         self._fast, self.call_spec = fast, spec
         self._bound = spec.bind(self._target, globals_)
-        self._tensors = guards.tensor_reader(spec, self._bound)
+        self._tensors = call_check.tensor_reader(spec, self._bound)
         call = (
-            guards.make_checked_call(spec, fast, self._slow_call, self._bound)
+            call_check.make_checked_call(spec, fast, self._slow_call, self._bound)
             if self.compile_config.check_inputs
             else fast
         )
         self._checked = call
-        self._accepts = guards.make_predicate(spec, self._bound) if self.compile_config.check_inputs else None
+        self._accepts = (
+            call_check.make_predicate(spec, self._bound) if self.compile_config.check_inputs else None
+        )
         module = self._module
         if module is not None:
             checked = call
@@ -817,9 +822,11 @@ class CompiledModel:
                 {id(p): n for n, p in owner.named_parameters()} if isinstance(owner, torch.nn.Module) else {}
             )
             what = (
-                f"parameter {names[id(needing)]}" if id(needing) in names else guards.describe_tensor(needing)
+                f"parameter {names[id(needing)]}"
+                if id(needing) in names
+                else call_check.describe_tensor(needing)
             )
-            raise guards.GradientsNotSupportedError(
+            raise call_check.GradientsNotSupportedError(
                 f"{self.name}: called with grad enabled and {what} requires grad, so eager's result "
                 "would carry gradients. tessera "
                 "compiles inference graphs: call it under torch.inference_mode() or torch.no_grad(), "
@@ -836,17 +843,17 @@ class CompiledModel:
         assert spec is not None and fast is not None, "the slow path runs after the first call"
         state = _compat.call_state()
         if spec.global_state and state != spec.global_state:
-            raise guards.StateMismatchError(
-                f"{self.name}: {guards.explain_state(spec.global_state, state)}. tessera traced the model "
-                "once, under the first call's state, and that state is baked into its graph: call it "
-                "under the same state, or compile another instance for this one"
+            raise call_check.StateMismatchError(
+                f"{self.name}: {call_check.explain_state(spec.global_state, state)}. "
+                "tessera traced the model once, under the first call's state, and that state is baked "
+                "into its graph: call it under the same state, or compile another instance for this one"
             )
         if torch.is_grad_enabled():
             self._refuse_if_grad_needed(self._tensors(args, kwargs))
             self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
             with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
                 return self._checked(*args, **kwargs)
-        args, kwargs = guards.normalise(self.signature, spec, args, kwargs)
+        args, kwargs = call_check.normalise(self.signature, spec, args, kwargs)
         mismatches = spec.mismatches(args, kwargs, self._bound)
         if mismatches:
             args, kwargs = self._fix_layouts(args, kwargs, mismatches)
@@ -865,24 +872,27 @@ class CompiledModel:
         retrace = self._state_retraces < MAX_STATE_RETRACES and _compat.supports_dynamic_state()
         if retrace and len(changed) == len(mismatches):
             return self._retrace_for_state(args, kwargs, changed)
-        raise guards.InputMismatchError(f"{self.name}: {guards.explain(mismatches)}")
+        raise call_check.InputMismatchError(f"{self.name}: {call_check.explain(mismatches)}")
 
     def _fix_layouts(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], mismatches: list[tuple[guards.Assumption, Any]]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mismatches: list[tuple[call_check.Assumption, Any]],
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Arguments whose only difference is their layout, copied into the traced layout (the
         compiled code assumes it). An argument the model writes to is not copied: the write would
         miss the caller's tensor, so the check refuses it."""
         positional, keywords = list(args), dict(kwargs)
         for assumption, _ in mismatches:
-            path = guards.layout_path(assumption)
+            path = call_check.layout_path(assumption)
             if path is None or path in self._mutated or (self.call_spec and self.call_spec.writes_in_place):
                 continue
             kind, key = path
             if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
-                positional[int(key)] = guards.to_layout(positional[int(key)], assumption.expected)
+                positional[int(key)] = call_check.to_layout(positional[int(key)], assumption.expected)
             elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
-                keywords[key] = guards.to_layout(keywords[key], assumption.expected)
+                keywords[key] = call_check.to_layout(keywords[key], assumption.expected)
         return tuple(positional), keywords
 
     def _retrace_for_state(self, args: tuple[Any, ...], kwargs: dict[str, Any], changed: list[str]) -> Any:

@@ -27,6 +27,7 @@ import torch.fx
 
 from tessera import _compat, counters
 from tessera.aliases import replay_input_aliases
+from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
 from tessera.cache.index import index_key
@@ -41,6 +42,7 @@ from tessera.cache.key import (
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
+from tessera.call_check import CallSpec
 from tessera.compilers import (
     Compiler,
     CountsPartitions,
@@ -52,9 +54,7 @@ from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.debug.dumps import Dumps
 from tessera.errors import CompilerError, FallbackWarning, TesseraWarning
-from tessera.guards import CallSpec
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
-from tessera.manager import CompileOutcome, CompilerManager
 from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
@@ -86,13 +86,17 @@ class PiecewiseBackend:
         cache_root: Path | None,
         prefix: str,
         remote: RemoteTier | None = None,
+        serve_traced: bool = False,
+        store: CacheEntry | None = None,
     ) -> None:
+        """``store``: the entry artifacts are read from and recorded in, when known (a warm start);
+        a trace makes its entry once the graph is known."""
         self.config = config
         self.remote = remote  # the fleet's shared store behind the local cache (cache/remote.py)
         self.compiler = compiler
         self.cache_root = cache_root
         self.prefix = prefix
-        self.manager = CompilerManager(compiler, config, None)
+        self.artifact_cache = ArtifactCache(compiler, config, store)
         self.sources: list[SourceFile] = []
         self.items: list[SplitItem] = []  # trace path only
         self.order: list[tuple[str, bool]] = []  # every piece in order: (name, is_splitting)
@@ -111,7 +115,7 @@ class PiecewiseBackend:
         # Whether a piece may serve as traced (eagerly) until its general artifact is compiled in
         # the background (CompileConfig.serve_while_compiling). The model sets it for its dynamic
         # trace; a trace for one small size compiles at once (that size is the whole workload).
-        self.serve_traced = False
+        self.serve_traced = serve_traced
         self.ready = threading.Event()
         self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
@@ -176,7 +180,7 @@ class PiecewiseBackend:
             if self.dumps is not None:
                 self.dumps.factors(factors)
             store = CacheEntry.create(self.cache_root, self.prefix, factors, split_dump, self.sources)
-            self.manager = CompilerManager(self.compiler, self.config, store)
+            self.artifact_cache = ArtifactCache(self.compiler, self.config, store)
         for item in items:
             if item.is_splitting:
                 # The split module calls self.submod_N(...): an instance attribute shadows the
@@ -192,7 +196,7 @@ class PiecewiseBackend:
             for item, fake, _ in calls
             for s in (self._sizes(fake)[:1] if later else self._sizes(fake))
         }
-        store = self.manager.store
+        store = self.artifact_cache.store
         turn = compile_turn(store, needed, self.remote) if store is not None else contextlib.nullcontext()
         progress = CompileProgress(self.prefix, len(needed))
         try:
@@ -203,7 +207,7 @@ class PiecewiseBackend:
                 finally:
                     # One index write for the turn (not one per piece or link: that made a cold
                     # start quadratic in the layers), before the turn lets sibling ranks read it.
-                    self.manager.flush()
+                    self.artifact_cache.flush()
         finally:
             progress.close()
         if not self._later:
@@ -235,8 +239,8 @@ class PiecewiseBackend:
         now = sizes[:1] if general_only else sizes
         found = None
         if general_only and self._serves_traced():
-            found = self.manager.find(
-                item.graph, now[0], item.index, self.manager.content_key(content, now[0])
+            found = self.artifact_cache.find(
+                item.graph, now[0], item.index, self.artifact_cache.content_key(content, now[0])
             )
             if found is None:
                 # The first output waits for the trace alone: the piece runs as traced, the same
@@ -253,8 +257,8 @@ class PiecewiseBackend:
             if isinstance(size, int):
                 inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
             progress.start(item.name, size_label(size))
-            outcome = found or self.manager.get(
-                item.graph, inputs, size, item.index, self.manager.content_key(content, size)
+            outcome = found or self.artifact_cache.get(
+                item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
             )
             progress.advance()
             self._record_stage(item, size, outcome)
@@ -319,8 +323,8 @@ class PiecewiseBackend:
                 if isinstance(size, int):
                     inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
                 with COMPILE_LOCK:
-                    outcome = self.manager.get(
-                        item.graph, inputs, size, item.index, self.manager.content_key(content, size)
+                    outcome = self.artifact_cache.get(
+                        item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
                     )
                 self.runners[item.name].add(size, outcome.fn)
                 record = self.records[item.name]
@@ -332,7 +336,7 @@ class PiecewiseBackend:
                 self.outcomes.append((item.name, size, outcome))
                 self._record_stage(item, size, outcome)
             with COMPILE_LOCK:
-                self.manager.flush()  # the background's artifacts in the index, in one write
+                self.artifact_cache.flush()  # the background's artifacts in the index, in one write
                 # Every size is in place: said before `then` writes the report that tells it.
                 self.phases["background_compile"] = time.perf_counter() - start
                 self.background_status = "done"
@@ -395,7 +399,7 @@ class PiecewiseBackend:
         Raises WarmStartUnavailable (the reason) without side effects on any other backend; a
         refusal of an artifact that was found is a fallback, counted (``warm_start_fallbacks``) and,
         when it is not damage or a changed model, warned once. A compiler whose ``load`` fails on a
-        sound file raises ``CompilerError`` (see manager.py): tracing again would not cure it.
+        sound file raises ``CompilerError`` (see artifact_cache.py): tracing again would not cure it.
         """
         try:
             entry_path = model_artifact.read_pointer(cache_root, fingerprint)
@@ -426,8 +430,7 @@ class PiecewiseBackend:
             raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
         read = time.perf_counter()
         saved = model_artifact.loads(data)
-        backend = cls(config, compiler, cache_root, prefix)
-        backend.manager = CompilerManager(compiler, config, store)
+        backend = cls(config, compiler, cache_root, prefix, store=store)
         backend.sources = list(saved.sources)
         backend.phases = {"read_and_verify": read - start, "unpickle": time.perf_counter() - read}
         backend.artifact_status = "loaded"
@@ -463,7 +466,7 @@ class PiecewiseBackend:
                 graph = unpickled[content]
             artifacts = {}
             for size in (None, *record.sizes, *record.ranges):
-                outcome = self.manager.load_only(graph, size, record.index)  # type: ignore[arg-type]
+                outcome = self.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
                 if isinstance(outcome, str):
                     raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
                 artifacts[size] = outcome.fn
@@ -592,20 +595,20 @@ class PiecewiseBackend:
     @property
     def store(self) -> CacheEntry | None:
         """The cache entry in use; None when the cache is off or stepped aside for this model."""
-        return self.manager.store
+        return self.artifact_cache.store
 
     @property
     def loaded(self) -> int:
-        return self.manager.loaded
+        return self.artifact_cache.loaded
 
     @property
     def fallbacks(self) -> tuple[Fallback, ...]:
         """Piece artifacts the cache held that could not serve, and why (each obtained again)."""
-        return tuple(self.manager.fallbacks)
+        return tuple(self.artifact_cache.fallbacks)
 
     @property
     def compiled(self) -> int:
-        return self.manager.compiled
+        return self.artifact_cache.compiled
 
 
 def _as_is(values: Sequence[Any]) -> Sequence[Any]:

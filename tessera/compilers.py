@@ -1,7 +1,7 @@
 """Compiler adaptors: one interface to turn a piece graph into a callable, and back from disk.
 
 Built in: ``eager`` (run the graph as is) and ``inductor`` (Inductor standalone compile, stored
-as a piece file that also loads without Inductor, see kernels.py). A user's own compiler is named
+as a piece file that also loads without Inductor, see piece_file.py). A user's own compiler is named
 ``"package.module:ClassName"`` and implements ``Compiler``.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.fx
 
-from tessera import _compat, counters, kernels
+from tessera import _compat, counters, piece_file
 from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.config import CompileConfig, Size
@@ -166,7 +166,7 @@ class PieceNotes:
 
 
 class InductorCompiler:
-    """Inductor's standalone compile; each artifact is one piece file (see kernels.PieceFile)."""
+    """Inductor's standalone compile; each artifact is one piece file (see piece_file.PieceFile)."""
 
     name = "inductor"
     loads_without_graph = True  # a piece file holds all its load needs (see backend.from_artifact)
@@ -264,7 +264,7 @@ class InductorCompiler:
         counters.bump("inductor_compiles")
         self._record_probe()
         standard = _standard_bytes(artifact) if self.cache_dir is not None else b""
-        piece = kernels.package(artifact, graph, example_inputs, standard)
+        piece = piece_file.package(artifact, graph, example_inputs, standard)
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
         compiled = _compat.find_compiled_graph(artifact)
@@ -296,7 +296,7 @@ class InductorCompiler:
         if fn is None:
             # Files are content-addressed: identical pieces (transformer layers) load once.
             try:
-                piece = kernels.PieceFile.from_bytes((self.cache_dir / handle).read_bytes())
+                piece = piece_file.PieceFile.from_bytes((self.cache_dir / handle).read_bytes())
             except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise ArtifactDamaged(f"{handle} is not a tessera piece file: {e}") from e
             fn = self._callable(piece, None, handle)
@@ -307,11 +307,11 @@ class InductorCompiler:
             counters.bump("artifacts_loaded")
         return fn
 
-    def _callable(self, piece: kernels.PieceFile, artifact: Any, name: str) -> Callable[..., Any]:
+    def _callable(self, piece: piece_file.PieceFile, artifact: Any, name: str) -> Callable[..., Any]:
         fn: Callable[..., Any] | None = None
         if piece.direct is not None:
             try:
-                fn = kernels.load_direct(piece.direct, Path(name).stem.lstrip("."))
+                fn = piece_file.load_direct(piece.direct, Path(name).stem.lstrip("."))
             except Exception as e:  # a library that does not load here: Inductor's way still works
                 log.warning(
                     "piece %s: direct load failed (%s: %s); loading through Inductor",

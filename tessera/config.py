@@ -99,7 +99,7 @@ class CompileConfig:
     disable_cache: bool = False
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     passes: Sequence[Any] = ()
-    check_inputs: bool = True  # compare every call with what the trace assumed (see guards.py)
+    check_inputs: bool = True  # compare every call with what the trace assumed (see call_check.py)
     dynamic_shapes: str = field(
         default_factory=lambda: v.env_value(
             "DYNAMIC_SHAPES", "backed", check=lambda m: v.check_choice("dynamic_shapes", m, DYNAMIC_SHAPES)

@@ -1,7 +1,7 @@
 """Dynamo's guards, turned into the call check's assumptions before the first call runs.
 
 Every guard Dynamo produced for the one trace is either kept, as an expression the per-call check
-compares (guards.py), or dropped on purpose for the reason in ``DROPPED``. A guard on the call's
+compares (call_check.py), or dropped on purpose for the reason in ``DROPPED``. A guard on the call's
 arguments of a kind tessera does not know refuses the compile, naming it: never a silent drop.
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from tessera._compat import GuardFact, local_source_name
+from tessera.call_check import Assumption, layout_of, local_expression
 from tessera.errors import UnsupportedModelError
-from tessera.guards import Assumption, layout_of, local_expression
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # any root. Roots: "input" (the call's arguments), "model" (the model and what it holds, reached
 # through ``target``), "global" (module globals), "state" (torch's global state).
 DROPPED: dict[tuple[str, str], str] = {
-    # Global state: checked by tessera's own state record (guards.CallState), or irrelevant to an
+    # Global state: checked by tessera's own state record (call_check.CallState), or irrelevant to an
     # inference graph.
     ("GRAD_MODE", "state"): "grad mode: tessera compiles inference graphs (see api.py, grad policy)",
     ("GLOBAL_STATE", "state"): "autocast and the default dtype are in tessera's call state check",

@@ -38,7 +38,7 @@ class PerturbingCompiler:
         pass
 
     def compile(self, graph, example_inputs, config, size, key):
-        if "piece2_" not in key:  # the scratch name says which piece (see manager.py)
+        if "piece2_" not in key:  # the scratch name says which piece (see artifact_cache.py)
             return graph.forward, None
 
         def wrong(*args):

@@ -484,7 +484,7 @@ def test_a_model_output_argument_of_another_length_is_refused_clearly():
 
 
 def test_layout_density_without_private_apis():
-    from tessera.guards import is_dense
+    from tessera.call_check import is_dense
 
     x = torch.randn(4, 3, 2)
     assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1]) and is_dense(x[:0])

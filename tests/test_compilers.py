@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tessera import kernels
+from tessera import piece_file
 from tessera.compilers import InductorCompiler
 
 # A piece's direct code without kernels: Inductor's wrapper shape, loadable without Inductor.
@@ -17,8 +17,8 @@ WRAPPER = "def call(args):\n    (x,) = args\n    return (x + 1,)\n"
 
 
 def _piece_file(directory: Path, name: str, partitions: int) -> str:
-    direct = kernels.DirectCode(wrapper=WRAPPER, kernels=(), extern=(), num_inputs=1, num_outputs=1)
-    piece = kernels.PieceFile(standard=b"", direct=direct, returns_tuple=True, partitions=partitions)
+    direct = piece_file.DirectCode(wrapper=WRAPPER, kernels=(), extern=(), num_inputs=1, num_outputs=1)
+    piece = piece_file.PieceFile(standard=b"", direct=direct, returns_tuple=True, partitions=partitions)
     (directory / name).write_bytes(piece.to_bytes())
     return name
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.guards import GradientsNotSupportedError, InputMismatchError, StateMismatchError
+from tessera.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
 from tessera.models import toy_llama
 from tests.child import run_json
 

@@ -41,7 +41,7 @@ FAMILIES = {
 }
 LENGTHS = (7, 1, 16, 33, 64)
 # StaticCache gives these families sliding-window layers whose length is a Python int: decode
-# traces once more at the second step, with that length symbolic (see guards.py).
+# traces once more at the second step, with that length symbolic (see call_check.py).
 SLIDING_WINDOW = {"mistral", "gemma3"}  # a first call of length 1 defers tracing (tested elsewhere)
 
 

@@ -21,8 +21,8 @@ import torch
 import tessera
 from tessera.cache.store import MODEL, CacheDamagedWarning
 from tessera.cache.tools import clear, find_entries, prune, stray_temp_files, verify
+from tessera.call_check import InputMismatchError
 from tessera.errors import CacheWarning, TesseraWarning
-from tessera.guards import InputMismatchError
 from tessera.models import toy_llama
 from tests.child import run_module
 

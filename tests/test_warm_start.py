@@ -203,7 +203,7 @@ def test_a_warm_start_that_fails_halfway_leaves_a_clean_trace(caplog):
 @pytest.mark.inductor
 def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
     """GPU pieces (and any piece AOTAutograd wraps) have no direct code: Inductor's loader serves."""
-    from tessera import kernels
+    from tessera import piece_file
     from tessera.compilers import InductorCompiler
 
     def fn(x, w):
@@ -224,15 +224,15 @@ def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
     )
     (expected,) = fn(x, w)
     torch.testing.assert_close(compiled(x, w)[0], expected)
-    piece = kernels.PieceFile.from_bytes((tmp_path / handle).read_bytes())
+    piece = piece_file.PieceFile.from_bytes((tmp_path / handle).read_bytes())
     assert piece.direct is not None and piece.standard  # CPU: both ways are stored
-    stripped = kernels.PieceFile(piece.standard, None, piece.returns_tuple, "as if on a GPU")
+    stripped = piece_file.PieceFile(piece.standard, None, piece.returns_tuple, "as if on a GPU")
     (tmp_path / "stripped.bin").write_bytes(stripped.to_bytes())
     loaded = InductorCompiler()
     loaded.initialize_cache(tmp_path)
     torch.testing.assert_close(loaded.load("stripped.bin", None, (), 0, 6)(x, w)[0], expected)
     with pytest.raises(ValueError, match="not a tessera piece file"):
-        kernels.PieceFile.from_bytes(b"garbage")
+        piece_file.PieceFile.from_bytes(b"garbage")
 
 
 def test_recorded_isa_probe_is_trusted_only_when_the_cpu_flags_agree(tmp_path):

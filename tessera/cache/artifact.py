@@ -39,13 +39,13 @@ from tessera import _compat
 from tessera._compat import op_schema_name, overload_of, packet_name
 from tessera.cache.key import SourceFile
 from tessera.cache.store import MODEL, atomic_write, report_damage, sha256_file
-from tessera.guards import CallSpec
+from tessera.call_check import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 from tessera.wrapper import PortableCode
 
 WARM_DIR = "warm"
-FORMAT = 6
+FORMAT = 7  # 7: the pickled CallSpec moved (tessera.guards -> tessera.call_check)
 
 
 class WarmStartUnavailable(Exception):

@@ -325,7 +325,7 @@ def describe(value: Any, dynamic: frozenset[int] = frozenset(), depth: int = 0, 
     attrs = getattr(value, "__dict__", None)
     if isinstance(attrs, dict) and not isinstance(value, (torch.nn.Module, types.ModuleType, type)):
         items = sorted(attrs.items(), key=lambda kv: str(kv[0]))[:64]
-        # An object's ints (a cache's current length) by type only: the call check (guards.py)
+        # An object's ints (a cache's current length) by type only: the call check (call_check.py)
         # knows which of them the trace assumed, and a moving length must not hide the artifact.
         return [type(value).__qualname__, [(str(k), _attribute(v, depth, held)) for k, v in items]]
     return type(value).__qualname__

@@ -44,7 +44,7 @@ class CompileOutcome:
     record: ArtifactRecord | None = None
 
 
-class CompilerManager:
+class ArtifactCache:
     """Owns one compiler, the entry it records into, and the artifacts of this process."""
 
     def __init__(self, compiler: Compiler, config: CompileConfig, store: CacheEntry | None = None) -> None:
