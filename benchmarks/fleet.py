@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _wait_for_redis(port, server)
             url = f"redis://127.0.0.1:{port}/0"
-            for name, runner in (
+            runs: list[tuple[str, Callable[[Path], Any]]] = [
                 ("replicas_with_redis", lambda d: replicas(d, args.replicas, url)),
                 ("replicas_without_remote", lambda d: replicas(d, args.replicas, None)),
                 ("ranks_one_machine_cache", lambda d: ranks(d, args.ranks, None, False)),
                 ("ranks_root_per_rank_with_redis", lambda d: ranks(d, args.ranks, url, True)),
                 ("ranks_root_per_rank_without_remote", lambda d: ranks(d, args.ranks, None, True)),
-            ):
+            ]
+            for name, runner in runs:
                 if name.startswith("ranks"):  # a fresh store: ranks do not find the replicas' entries
                     _flush(port)
                 (scratch / name).mkdir()

@@ -57,11 +57,11 @@ def _build(family: str) -> Any:
             setattr(config, name, value)
     torch.manual_seed(0)
     try:  # on a copy: a refused attention implementation stays set on the config it was tried on
-        model = transformers.AutoModelForCausalLM.from_config(
+        model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
             copy.deepcopy(config), attn_implementation="sdpa"
         )
     except (ValueError, TypeError):  # a family without SDPA: its default attention
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     return model.eval(), config
 
 

@@ -188,7 +188,7 @@ def _run(impl: str, model: str, env_dirs: dict[str, str], mega: str | None) -> d
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{impl} {model} child failed:\n{proc.stderr[-3000:]}")
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     report["seconds"] = report.pop("marks")["first_output"] - start
     return report
 

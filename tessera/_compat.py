@@ -573,7 +573,7 @@ def standalone_compile(
 
 def load_compiled_artifact(path: str) -> Any:
     """Inductor's own loader of a standalone-compile artifact (imports all of Inductor)."""
-    from torch._inductor import CompiledArtifact
+    from torch._inductor import CompiledArtifact  # type: ignore[attr-defined]
 
     return CompiledArtifact.load(path=path, format="binary")
 
@@ -710,7 +710,7 @@ def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = Tru
     Costs a handler check when ``TORCH_TRACE`` is not set. ``in_compile``: emitted inside
     Dynamo's compile of the model (attributed to its compile id).
     """
-    from torch._logging import trace_structured
+    from torch._logging import trace_structured  # type: ignore[attr-defined]
 
     trace_structured(
         "artifact",

@@ -113,9 +113,9 @@ class GraphCompiler:
             # tessera compiles inference graphs; this graph's result must carry gradients.
             # torch's own backend of the same name compiles it (for training), uncached by tessera.
             _warn_grad_once(self.config.backend)
-            return stock_backend(self.config.backend if self.config.backend == "eager" else "inductor")(
-                gm, example_inputs
-            )
+            stock = stock_backend(self.config.backend if self.config.backend == "eager" else "inductor")
+            compiled: Callable[..., Any] = stock(gm, example_inputs)
+            return compiled
         # Dynamo's guarded path compiles as Dynamo asks, up front: a background thread would
         # compile while Dynamo traces other frames of this process.
         config = self._config_for(gm, example_inputs).replace(background_compile=False)

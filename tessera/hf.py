@@ -225,7 +225,8 @@ def greedy_generate(
             past_key_values=cache,
             use_cache=True,
         ).logits
-        return logits[:, -1:].argmax(-1)  # [batch, 1]
+        tokens: torch.Tensor = logits[:, -1:].argmax(-1)  # [batch, 1]
+        return tokens
 
     length = input_ids.shape[1]
     with torch.no_grad():

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 # Registered with torch.library's define/impl rather than @torch.library.custom_op: custom_op
 # wraps each kernel in torch._disable_dynamo, which imports all of Dynamo (~0.6 s) at the op's
 # first call (torch 2.11-2.13), so every process running the model, eager or warm, paid for it.
-_LIB = torch.library.Library("tessera", "DEF")
-_LIB.define("attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
-_LIB.define(
+# (torch.library's Library, define, impl and register_fake are untyped: the ignores below.)
+_LIB = torch.library.Library("tessera", "DEF")  # type: ignore[no-untyped-call]
+_LIB.define("attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
     "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor positions, float scale) -> Tensor"
 )
@@ -34,7 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return out.transpose(0, 1).contiguous()
 
 
-@torch.library.register_fake("tessera::attention")
+@torch.library.register_fake("tessera::attention")  # type: ignore[untyped-decorator]
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -68,11 +69,11 @@ def decode_attention(
     return torch.einsum("bht,bthd->bhd", scores.softmax(-1), values.float()).to(q.dtype)
 
 
-_LIB.impl("attention", attention, "CompositeExplicitAutograd")
-_LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+_LIB.impl("decode_attention", decode_attention, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("tessera::decode_attention")
+@torch.library.register_fake("tessera::decode_attention")  # type: ignore[untyped-decorator]
 def _(
     q: torch.Tensor,
     k: torch.Tensor,

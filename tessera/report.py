@@ -195,7 +195,7 @@ def _all_ready(backend: Any, first_output: float) -> float | None:
         return None
     phases = dict(backend.phases)
     if "background_compile" in phases:
-        return first_output + phases["background_compile"]
+        return first_output + float(phases["background_compile"])
     return first_output if backend.ready.is_set() else None
 
 

@@ -11,7 +11,8 @@ import torch
 
 
 def _sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch.cuda.is_initialized is untyped in torch's stubs.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
 
 

@@ -103,7 +103,6 @@ def bisect_command(script: str, atol: float, rtol: float) -> int:
 
 
 def cache_command(args: argparse.Namespace) -> int:
-    from datetime import datetime
     from pathlib import Path
 
     from tessera.cache import explain as cache_explain
@@ -119,7 +118,6 @@ def cache_command(args: argparse.Namespace) -> int:
             header = f"  {'prefix':<14} {'key':<12} {'rank':<9} {'size':>10}  {'created':<16} "
             print(header + f"{'last used':<16} pieces")
         for e in infos:
-            stamp = lambda t: datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M")  # noqa: E731
             sizes = ",".join(e.sizes) or "-"
             print(
                 f"  {e.prefix:<14} {e.key:<12} {e.rank:<9} {cachetools.human_bytes(e.size_bytes):>10}  "
@@ -194,3 +192,10 @@ def run_bench(quick: bool) -> int:
         )
         return 2
     return bench_main(quick=quick)
+
+
+def stamp(seconds: float) -> str:
+    """A file time as ``YYYY-MM-DD HH:MM`` (local time)."""
+    from datetime import datetime
+
+    return datetime.fromtimestamp(seconds).strftime("%Y-%m-%d %H:%M")

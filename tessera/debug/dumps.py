@@ -57,7 +57,8 @@ def decompile(code: types.CodeType) -> str:
     try:
         import depyf
 
-        return "# Dynamo's transformed code, decompiled by depyf\n" + depyf.decompile(code)
+        decompiled: str = depyf.decompile(code)
+        return "# Dynamo's transformed code, decompiled by depyf\n" + decompiled
     except Exception as e:  # not installed, or this bytecode is beyond it
         missing = isinstance(e, ImportError)
         reason = "depyf is not installed (pip install tessera[debug])" if missing else str(e)
