@@ -132,6 +132,19 @@ class Stage(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Lifecycle:
+    """Where a compiled model is in its life and what serves its calls, replaced whole at each
+    transition (a reader sees one consistent record, never half of two)."""
+
+    stage: Stage
+    call: Callable[..., Any]  # what ``compiled(...)`` runs: root hooks, the call check, the forward
+    checked: Callable[..., Any] | None = None  # the call check and the forward (root hooks aside)
+    fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
+    spec: call_check.CallSpec | None = None  # what the trace assumed of every call
+    backend: PiecewiseBackend | None = None  # the pieces of the one trace (None: other paths)
+
+
+@dataclasses.dataclass(frozen=True)
 class TraceContext:
     """What a trace of this model needs, found at the first call: compiler, cache root and
     prefix, the model's fingerprint (None: no whole-model artifact) and the remote tier."""
@@ -167,10 +180,7 @@ class CompiledModel:
         # Re-entrant: a call that waited for the first call's compile is served under the lock,
         # and may need a re-trace or a small-size child, which take it again.
         self._lock = threading.RLock()
-        self._backend: PiecewiseBackend | None = None
-        self._call: Callable[..., Any] = self._first_call
-        self._fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
-        self.call_spec: call_check.CallSpec | None = None  # what the trace assumed of every call
+        self._life = Lifecycle(Stage.UNBUILT, self._first_call)
         self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
         self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
@@ -178,21 +188,19 @@ class CompiledModel:
         self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
         self._counters_before: dict[str, int] = {}
         self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
-        self._deferred = 0  # calls run eagerly while waiting for a size a general graph can come from
+        self._small_before_general = 0  # calls served by small-size children before the general trace
         self.eager_calls = 0  # calls run eagerly past MAX_SIZE_TRACES (code that fixes sizes)
         self._per_size = False  # the code fixes a dynamic dim's size: each size has its own trace
         self._marked_paths: dict[str, frozenset[int]] = {}  # args[i] / kwargs['k'] -> dims marked
         # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
         self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
         self._context = TraceContext(None, None, "model", None, None)
-        self.stage = Stage.UNBUILT
         self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see call_check.py)
         self._state_retraces = 0
         self._trace_code: types.CodeType | None = None
         self._bound: dict[str, Any] = {}  # what the call check reads besides the arguments
         self._tensors: Callable[..., tuple[Any, ...]] = lambda args, kwargs: ()  # tensors the trace read
         self._mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
-        self._checked: Callable[..., Any] = self._first_call  # the call check (root hooks aside)
         self.dropped_guards: tuple[tuple[str, int], ...] = ()  # Dynamo guards not re-checked, and why
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
         # Dims held static at a size below Dynamo's floor of 2 (a model serving such calls for its
@@ -222,7 +230,25 @@ class CompiledModel:
             # inside another tessera model, or by itself (recursion). The outer trace owns it:
             # it inlines the model, as torch.compile inlines a nested compiled function.
             return self.model(*args, **kwargs)
-        return self._call(*args, **kwargs)
+        return self._life.call(*args, **kwargs)
+
+    @property
+    def stage(self) -> Stage:
+        """Where this model is in its life: unbuilt, tracing, ready or retracing."""
+        return self._life.stage
+
+    @property
+    def call_spec(self) -> call_check.CallSpec | None:
+        """What the trace assumed of every call (None before the first trace, or on other paths)."""
+        return self._life.spec
+
+    @property
+    def _backend(self) -> PiecewiseBackend | None:
+        return self._life.backend
+
+    def _move(self, **changes: Any) -> None:
+        """The next lifecycle record: this one with ``changes``, swapped in whole."""
+        self._life = dataclasses.replace(self._life, **changes)
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -345,8 +371,8 @@ class CompiledModel:
             if child is not None:
                 return child(*args, **kwargs)
         with self._lock:
-            if self._call != self._first_call:  # another thread compiled while we waited
-                return self._call(*args, **kwargs)
+            if self._life.stage is Stage.READY:  # another thread compiled while we waited
+                return self._life.call(*args, **kwargs)
             module = self._module
             # The trace sees what the pre-hooks make of the call (stock and none: torch runs them).
             traced = self.compile_config.mode in ("trace_once", "piecewise")
@@ -363,17 +389,17 @@ class CompiledModel:
                 self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
         self._counters_before = counters.snapshot()
-        self.stage = Stage.TRACING
+        unbuilt = self._life
+        self._move(stage=Stage.TRACING)
         try:
             output, call = self._compile(args, kwargs)
         except BaseException:
-            self.stage = Stage.UNBUILT  # the next call tries again
+            self._life = unbuilt  # the next call tries again
             raise
         if call is None:  # served by a small-size child: the general trace waits for its size
-            self.stage = Stage.UNBUILT
+            self._life = unbuilt
             return output
-        self._call = call
-        self.stage = Stage.READY
+        self._move(stage=Stage.READY, call=call)
         self.first_call_seconds = time.perf_counter() - start
         self._counters = counter_delta(self._counters_before, counters.snapshot())
         report = self._make_report()
@@ -443,7 +469,8 @@ class CompiledModel:
                 self.warm_start_refused = str(e)
                 log.info("%s: no start from the whole-model artifact (%s); tracing once", self.name, e)
             else:
-                self._backend, self.warm_start = backend, True
+                self._move(backend=backend)
+                self.warm_start = True
                 self.startup_phases.update(backend.phases)
                 start = time.perf_counter()
                 fast = functools.partial(call, self._target)
@@ -454,21 +481,21 @@ class CompiledModel:
                 output = fast(*args, **kwargs)
                 self._mutated = _changed(versions, args, kwargs)
                 self.startup_phases["first_call"] = time.perf_counter() - start
-                return output, self._call
+                return output, self._life.call
         degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
         if degenerate and self.compile_config.dynamic_shapes != "unbacked":
             # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
             # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
             # This call is served by a trace for its small size (as Dynamo would recompile); the
             # general trace waits for the first call with sizes >= 2.
-            if not self._deferred:
+            if not self._small_before_general:
                 log.info(
                     "%s: first call has dynamic size < 2 at %s; served by a trace for that size, "
                     "the general trace waits for sizes >= 2",
                     self.name,
                     degenerate,
                 )
-            self._deferred += 1
+            self._small_before_general += 1
             return self._small_call(args, kwargs, choice.dims), None
         self._context = TraceContext(compiler, root, prefix, print_, remote)
         if known_path is not None:
@@ -477,7 +504,7 @@ class CompiledModel:
                 return self._start_guarded(args, kwargs, values, choice, known_path.reason)
             return self._start_per_size(args, kwargs, known_path.reason)
         try:
-            return self._trace(args, kwargs, values, choice), self._call
+            return self._trace(args, kwargs, values, choice), self._life.call
         except SizeFixedError as e:
             self._record_path("per_size", str(e))
             return self._start_per_size(args, kwargs, str(e))
@@ -510,8 +537,9 @@ class CompiledModel:
     def _small_child(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
         """The compiled forward of the small-size child whose check this call passes, if any."""
         for child in tuple(self._small.values()):
-            if child._accepts is not None and child._fast is not None and child._accepts(args, kwargs):
-                return child._fast
+            fast = child._life.fast
+            if child._accepts is not None and fast is not None and child._accepts(args, kwargs):
+                return fast
         return None
 
     def _small_call(
@@ -596,7 +624,7 @@ class CompiledModel:
     ) -> tuple[Any, Callable[..., Any]]:
         """The code fixes the size of a dim marked dynamic (``x.view(1, 16, ...)``, a Python loop
         over the sequence), so the trace failed: every size is served by a trace of its own."""
-        self._backend = None
+        self._move(backend=None)
         module = self._module
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -695,7 +723,8 @@ class CompiledModel:
             self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
         )
         spec: call_check.CallSpec = trace.guards
-        self._backend, self.warm_start, self._trace_code = backend, False, trace.code
+        self._move(backend=backend)
+        self.warm_start, self._trace_code = False, trace.code
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
         self._install(
@@ -789,7 +818,6 @@ class CompiledModel:
         self, fast: Callable[..., Any], spec: call_check.CallSpec, globals_: dict[str, Any]
     ) -> Callable[..., Any]:
         """Every later call: root hooks as in eager, the call check, then the compiled forward."""
-        self._fast, self.call_spec = fast, spec
         self._bound = spec.bind(self._target, globals_)
         self._tensors = call_check.tensor_reader(spec, self._bound)
         call = (
@@ -797,20 +825,19 @@ class CompiledModel:
             if self.compile_config.check_inputs
             else fast
         )
-        self._checked = call
+        checked = call
         self._accepts = (
             call_check.make_predicate(spec, self._bound) if self.compile_config.check_inputs else None
         )
         module = self._module
         if module is not None:
-            checked = call
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 if hooks.active(module):
                     return hooks.call_with_hooks(module, checked, args, kwargs)
                 return checked(*args, **kwargs)
 
-        self._call = call
+        self._move(call=call, checked=checked, fast=fast, spec=spec)
         return call
 
     def _refuse_if_grad_needed(self, tensors: Any) -> None:
@@ -839,8 +866,9 @@ class CompiledModel:
         child = self._small_child(args, kwargs)
         if child is not None:
             return child(*args, **kwargs)
-        spec, fast = self.call_spec, self._fast
-        assert spec is not None and fast is not None, "the slow path runs after the first call"
+        life = self._life
+        spec, checked, fast = life.spec, life.checked, life.fast
+        assert spec is not None and checked is not None and fast is not None, "runs after a trace"
         state = _compat.call_state()
         if spec.global_state and state != spec.global_state:
             raise call_check.StateMismatchError(
@@ -852,7 +880,7 @@ class CompiledModel:
             self._refuse_if_grad_needed(self._tensors(args, kwargs))
             self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
             with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
-                return self._checked(*args, **kwargs)
+                return checked(*args, **kwargs)
         args, kwargs = call_check.normalise(self.signature, spec, args, kwargs)
         mismatches = spec.mismatches(args, kwargs, self._bound)
         if mismatches:
@@ -908,11 +936,11 @@ class CompiledModel:
                 len(self._dynamic_state),
             )
             values = bind_arguments(self._func, self._bound_to, args, kwargs)
-            self.stage = Stage.RETRACING
+            self._move(stage=Stage.RETRACING)
             try:
                 output = self._trace(args, kwargs, values, self._choose(values))
             finally:
-                self.stage = Stage.READY  # the earlier trace's path still serves if this one failed
+                self._move(stage=Stage.READY)  # the earlier trace's path still serves if this failed
             self._counters = counter_delta(self._counters_before, counters.snapshot())
             return output
 

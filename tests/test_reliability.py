@@ -130,7 +130,7 @@ def test_check_inputs_false_is_the_raw_path():
     compiled = tessera.compile(forward_with_options, backend="eager", check_inputs=False)
     x = torch.randn(4, 3)
     compiled(x)
-    assert compiled.call_spec is not None and compiled._call is compiled._fast
+    assert compiled.call_spec is not None and compiled._life.call is compiled._life.fast
 
 
 # -- the model you pass is the model that runs ----------------------------------------------------
