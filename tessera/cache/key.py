@@ -41,8 +41,9 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
+# 7: the whole-model artifact moved to format 7 (old pointers are a clean miss, not a fallback);
 # 6: values of objects the model holds, the attention implementation; 5: the full call state
-FINGERPRINT_FORMAT = 6
+FINGERPRINT_FORMAT = 7
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
