@@ -2,7 +2,8 @@
 
 Run each from the repository root as ``python -m benchmarks.<name>`` (``tessera bench`` runs
 ``benchmarks.steady_state`` when the repository is at hand). Each prints JSON and compares
-tessera with eager and stock ``torch.compile`` in the same run.
+tessera with eager and stock ``torch.compile`` in the same run. (Results recorded before the
+package existed name the old form, ``python benchmarks/<name>.py``: the same benchmark.)
 """
 
 from __future__ import annotations
