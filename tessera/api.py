@@ -29,7 +29,7 @@ from tessera import _compat, call_check, counters, dynamo_guards, hooks, validat
 from tessera.backend import COMPILE_LOCK, PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
-from tessera.cache.key import fingerprint
+from tessera.cache.key import fingerprint_record
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
 from tessera.cache.store import cache_root, rank_dir
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
@@ -440,7 +440,7 @@ class CompiledModel:
         known_path: model_artifact.OtherPath | None = None
         if root is not None:
             start = time.perf_counter()
-            print_ = fingerprint(
+            print_ = fingerprint_record(
                 self._func,
                 self._bound_to,
                 values,
@@ -449,7 +449,7 @@ class CompiledModel:
                 warm_hash(compiler),
                 prefix,
                 rank_dir(),
-            )
+            ).digest
             self.startup_phases["fingerprint"] = time.perf_counter() - start
             if remote is not None:
                 fetch_pointer(remote, root, print_)

@@ -266,7 +266,8 @@ class PiecewiseBackend:
             self.outcomes.append((item.name, size, outcome))
             seconds.append((size_label(size), outcome.seconds))
             timings.append((size_label(size), outcome.seconds, outcome.source))
-        progress.piece_done(item.name, timings)
+        if timings:  # nothing obtained now: the piece serves as traced
+            progress.piece_done(item.name, timings)
         returned = output.args[0] if returns_tuple else [output.args[0]]
         outputs = [a.meta.get("example_value") if isinstance(a, torch.fx.Node) else a for a in returned]
         record = PieceRecord(
@@ -287,7 +288,15 @@ class PiecewiseBackend:
 
     # -- serve first, specialise after ----------------------------------------------------------
     def _serves_traced(self) -> bool:
-        return self.serve_traced and self.config.serve_while_compiling and self.compiler.name != "eager"
+        # Not with a remote tier: the fleet's compile turn (one replica compiles, the others wait
+        # and load) covers what the first call compiles, and a piece served as traced is not
+        # compiled in that turn, so every replica would compile it.
+        return (
+            self.serve_traced
+            and self.config.serve_while_compiling
+            and self.compiler.name != "eager"
+            and self.remote is None
+        )
 
     def _background(self) -> bool:
         """Whether sizes and ranges compile after the first output. Not with CUDA graphs (a

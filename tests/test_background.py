@@ -206,3 +206,15 @@ def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_war
     counts = warm["counters"]
     assert counts.get("graphs_traced", 0) == 0
     assert counts["artifacts_loaded"] == 2 * counts["compiled_pieces"], "general and size 8 of each piece"
+
+
+def test_pieces_serve_as_traced_only_without_a_remote_tier():
+    # With a fleet's shared store, the compile turn at the first call (one replica compiles,
+    # the others wait and load) must cover the general artifacts: nothing serves as traced.
+    from tessera.backend import PiecewiseBackend
+    from tessera.compilers import make_compiler
+
+    config = tessera.CompileConfig(backend="inductor", background_compile=True)
+    alone = PiecewiseBackend(config, make_compiler("inductor"), None, "m", serve_traced=True)
+    fleet = PiecewiseBackend(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
+    assert alone._serves_traced() and not fleet._serves_traced()

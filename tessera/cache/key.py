@@ -369,20 +369,6 @@ def _module_state(model: torch.nn.Module) -> list[Any]:
     return state
 
 
-def fingerprint(
-    func: types.FunctionType,
-    bound_to: object | None,
-    arguments: Mapping[str, Any],
-    marked: Sequence[tuple[str, int]],
-    config: CompileConfig,
-    compiler_hash: str,
-    prefix: str,
-    rank: str,
-) -> str:
-    """The digest of ``fingerprint_record``: what the warm pointer of a model and call is named by."""
-    return fingerprint_record(func, bound_to, arguments, marked, config, compiler_hash, prefix, rank).digest
-
-
 def fingerprint_record(
     func: types.FunctionType,
     bound_to: object | None,
@@ -393,7 +379,8 @@ def fingerprint_record(
     prefix: str,
     rank: str,
 ) -> KeyRecord:
-    """All that decides the traced graph and is known before tracing."""
+    """All that decides the traced graph and is known before tracing; its ``digest`` names the
+    warm pointer of a model and call."""
     code = func.__code__
     dynamic: dict[str, set[int]] = {}
     for name, dim in marked:
