@@ -571,6 +571,13 @@ def standalone_compile(
     )
 
 
+def preload_inductor() -> None:
+    """Import what an Inductor standalone compile imports (about 3 s on a small CPU), so that a
+    compile worker pays it while its parent is still tracing."""
+    import torch._inductor.compile_fx  # noqa: F401
+    from torch._inductor import standalone_compile  # noqa: F401
+
+
 def load_compiled_artifact(path: str) -> Any:
     """Inductor's own loader of a standalone-compile artifact (imports all of Inductor)."""
     from torch._inductor import CompiledArtifact  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ class CompileOutcome:
     seconds: float
     source: str  # "compiled", "loaded" (from the cache) or "shared" (an identical piece's)
     record: ArtifactRecord | None = None
+    worker: int | None = None  # the pid of the compile worker that compiled it (compile_pool.py)
 
 
 class ArtifactCache:
@@ -91,19 +92,51 @@ class ArtifactCache:
 
         ``example_inputs`` is a thunk: specialized inputs are only built when compiling.
         """
-        start = time.perf_counter()
         counters.bump("backend_compilations")
         found = self.find(graph, size, index, content)
         if found is not None:
             return found
+        return self.compile(graph, example_inputs, size, index, content)
+
+    def compile(
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: Callable[[], Sequence[Any]],
+        size: Size,
+        index: int,
+        content: str,
+    ) -> CompileOutcome:
+        """Compile ``(size, index)`` in this process and record it (``get`` once nothing was found)."""
+        start = time.perf_counter()
+        scratch = self.scratch_name(size, index)
+        fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, scratch)
+        return self.record_compiled(fn, handle, size, index, content, time.perf_counter() - start)
+
+    def scratch_name(self, size: Size, index: int) -> str:
+        """Where a compile of ``(size, index)`` writes its file before it is recorded.
+
+        A unique scratch name: several processes may compile the same entry at once. Its writer
+        token tells `cache clear` that this process is alive until the artifact is recorded (a
+        compile worker's file is this process's too: it records it)."""
         key = index_key(size, index, self.compiler.name)
-        # A unique scratch name: several processes may compile the same entry at once. Its writer
-        # token tells `cache clear` that this process is alive until the artifact is recorded.
         owner = None
         if self.store is not None:
             owner = self._write(lambda store: liveness.writer_token(store.path / ARTIFACTS))
-        scratch = f"{ARTIFACTS}/.{artifact_label(key)}.{owner or os.getpid()}.{uuid.uuid4().hex[:8]}"
-        fn, handle = self.compiler.compile(graph, example_inputs(), self.config, size, scratch)
+        return f"{ARTIFACTS}/.{artifact_label(key)}.{owner or os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+    def record_compiled(
+        self,
+        fn: Callable[..., Any],
+        handle: Any,
+        size: Size,
+        index: int,
+        content: str,
+        seconds: float,
+        worker: int | None = None,
+    ) -> CompileOutcome:
+        """A compile of ``(size, index)`` finished (here or in a worker): recorded, and shared with
+        identical pieces."""
+        key = index_key(size, index, self.compiler.name)
         self.compiled += 1
         record = None
         if self.store is not None and handle is not None:
@@ -111,7 +144,7 @@ class ArtifactCache:
             # Recorded only now, after the artifact is complete on disk (and written to the index
             # at the end of the turn): a process that dies mid-compile leaves nothing to trust.
             record = self._write(lambda store: store.record_artifact(key, str(handle), content))
-        outcome = CompileOutcome(fn, time.perf_counter() - start, "compiled", record)
+        outcome = CompileOutcome(fn, seconds, "compiled", record, worker)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome

@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import pickle
+import queue as queue_module
 import threading
 import time
 import types
@@ -43,8 +44,11 @@ from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.call_check import CallSpec
+from tessera.compile_pool import CompilePool, Reply, default_count, shared_pool
+from tessera.compile_worker import JobDone, JobFailed
 from tessera.compilers import (
     Compiler,
+    CompilesInWorkers,
     CountsPartitions,
     KeepsMachineRecord,
     ShowsOutputCode,
@@ -74,6 +78,22 @@ log_cudagraph = logging.getLogger("tessera.cudagraph")
 # Held by every compile of this process (a trace, a background compile): Inductor and Dynamo keep
 # global state (config patches, caches) that two compiles at once in one process would share.
 COMPILE_LOCK = threading.RLock()
+
+
+@dataclasses.dataclass
+class _Sent:
+    """The static sizes one background compile handed to the compile workers."""
+
+    pool: CompilePool | None
+    progress: CompileProgress | None  # the up-front compile's progress (None in the background)
+    replies: queue_module.SimpleQueue[Reply] = dataclasses.field(default_factory=queue_module.SimpleQueue)
+    # content key -> the piece whose job compiles it (item, fake and real inputs, content)
+    leaders: dict[str, tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = dataclasses.field(
+        default_factory=dict
+    )
+    # content key -> identical pieces (and their size) that take the leader's artifact as shared
+    followers: dict[str, list[tuple[SplitItem, Size]]] = dataclasses.field(default_factory=dict)
+    waiting: int = 0  # jobs sent whose reply is not in yet
 
 
 class PiecewiseBackend:
@@ -118,6 +138,8 @@ class PiecewiseBackend:
         self.serve_traced = serve_traced
         self.ready = threading.Event()
         self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
+        self._worker_failed = False  # a compile worker's failure is warned once per model
+        self._pool: CompilePool | None = None  # compile workers for this model's static sizes
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
@@ -196,6 +218,11 @@ class PiecewiseBackend:
             for item, fake, _ in calls
             for s in (self._sizes(fake)[:1] if later else self._sizes(fake))
         }
+        # Started now, so that the workers import Inductor while the general artifacts compile.
+        self._pool = self._compile_pool(any(find_size_source(fake) is not None for _, fake, _ in calls))
+        # Up front with workers: every general artifact here first, then the rest at once, the
+        # static sizes in the workers (as in the background, but before the first output).
+        rest_now = not later and self._pool is not None
         store = self.artifact_cache.store
         turn = compile_turn(store, needed, self.remote) if store is not None else contextlib.nullcontext()
         progress = CompileProgress(self.prefix, len(needed))
@@ -203,7 +230,11 @@ class PiecewiseBackend:
             with COMPILE_LOCK, turn:
                 try:
                     for item, fake_args, real_args in calls:
-                        self._build(split_gm, item, fake_args, real_args, progress, general_only=later)
+                        self._build(
+                            split_gm, item, fake_args, real_args, progress, general_only=later or rest_now
+                        )
+                    if rest_now:
+                        self._compile_rest(progress)
                 finally:
                     # One index write for the turn (not one per piece or link: that made a cold
                     # start quadratic in the layers), before the turn lets sibling ranks read it.
@@ -293,6 +324,7 @@ class PiecewiseBackend:
         # compiled in that turn, so every replica would compile it.
         return (
             self.serve_traced
+            and self._background()
             and self.config.serve_while_compiling
             and self.compiler.name != "eager"
             and self.remote is None
@@ -323,27 +355,7 @@ class PiecewiseBackend:
     def _compile_later(self, then: Callable[[], None] | None) -> None:
         start = time.perf_counter()
         try:
-            # Every piece's general artifact first (pieces serving as traced get compiled code
-            # soonest), then the compile sizes and ranges.
-            queue = [(work, size) for work in self._later for size in work[3]]
-            queue.sort(key=lambda entry: entry[1] is not None)
-            for (item, fake_args, real_args, _, content), size in queue:
-                inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
-                if isinstance(size, int):
-                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
-                with COMPILE_LOCK:
-                    outcome = self.artifact_cache.get(
-                        item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
-                    )
-                self.runners[item.name].add(size, outcome.fn)
-                record = self.records[item.name]
-                self.records[item.name] = dataclasses.replace(
-                    record,
-                    compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
-                    partitions=_partitions(self.compiler, outcome.fn) if size is None else record.partitions,
-                )
-                self.outcomes.append((item.name, size, outcome))
-                self._record_stage(item, size, outcome)
+            self._compile_rest()
             with COMPILE_LOCK:
                 self.artifact_cache.flush()  # the background's artifacts in the index, in one write
                 # Every size is in place: said before `then` writes the report that tells it.
@@ -364,6 +376,148 @@ class PiecewiseBackend:
             self.phases.setdefault("background_compile", time.perf_counter() - start)
             self._later = []
             self.ready.set()
+
+    def _compile_rest(self, progress: CompileProgress | None = None) -> None:
+        """Compile what ``_build`` left (``_later``) and swap each artifact in as it is ready.
+
+        Every piece's general artifact first (pieces serving as traced get compiled code soonest),
+        then the compile sizes and ranges. Static sizes go to the compile workers, when there are
+        any, at once: they compile there while the others compile here."""
+        queue = [(work, size) for work in self._later for size in work[3]]
+        queue.sort(key=lambda entry: entry[1] is not None)
+        sent = _Sent(self._pool, progress)
+        here = [(work, size) for work, size in queue if not self._send(sent, work, size)]
+        for (item, fake_args, real_args, _, content), size in here:
+            inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
+            if isinstance(size, int):
+                inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+            if progress is not None:
+                progress.start(item.name, size_label(size))
+            with COMPILE_LOCK:
+                outcome = self.artifact_cache.get(
+                    item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
+                )
+            self._add_later(item, size, outcome, progress)
+            self._take_replies(sent, block=False)
+        while sent.waiting:
+            self._take_replies(sent, block=True)
+        self._later = []
+
+    def _add_later(
+        self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
+    ) -> None:
+        """Swap one artifact compiled after its piece's general one into the piece's runner."""
+        self.runners[item.name].add(size, outcome.fn)
+        record = self.records[item.name]
+        self.records[item.name] = dataclasses.replace(
+            record,
+            compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
+            partitions=_partitions(self.compiler, outcome.fn) if size is None else record.partitions,
+        )
+        self.outcomes.append((item.name, size, outcome))
+        self._record_stage(item, size, outcome)
+        if progress is not None:
+            progress.advance()
+
+    # -- compile workers ------------------------------------------------------------------------
+    def _compile_pool(self, sized: bool) -> CompilePool | None:
+        """The compile workers, when some of this model can go to them: pieces with a size
+        (``sized``) and static compile sizes for them, a compiler that compiles in workers, a
+        cache entry for their files, no CUDA graphs (a capture needs every size at install), and
+        workers asked for."""
+        if (
+            not sized
+            or not self.compile_sizes
+            or self.graph_backend is not None
+            or not isinstance(self.compiler, CompilesInWorkers)
+            or self.artifact_cache.store is None
+        ):
+            return None
+        count = self.config.compile_workers
+        return shared_pool(default_count() if count is None else count)
+
+    def _send(self, sent: _Sent, work: tuple[Any, ...], size: Size) -> bool:
+        """Hand one static size to the compile workers; False when it is compiled here instead.
+
+        Identical pieces (transformer layers) send one job: the others take its artifact as
+        shared once it is in, as they would from a compile here, so the entry is the same."""
+        item, fake_args, real_args, _, content = work
+        if sent.pool is None or not isinstance(size, int) or not isinstance(self.compiler, CompilesInWorkers):
+            return False
+        key = self.artifact_cache.content_key(content, size)
+        if key in sent.leaders:
+            sent.followers.setdefault(key, []).append((item, size))
+            return True
+        with COMPILE_LOCK:
+            counters.bump("backend_compilations")  # as ArtifactCache.get counts each artifact asked for
+            found = self.artifact_cache.find(item.graph, size, item.index, key)
+            if found is not None:  # in the cache already: no compile at all
+                self._add_later(item, size, found, sent.progress)
+                return True
+            inputs = specialize_inputs(item.name, fake_args, real_args, size)
+            job = self.compiler.job(
+                item.graph, inputs, self.config, size, self.artifact_cache.scratch_name(size, item.index)
+            )
+        if job is None or not sent.pool.submit(job, (item, size, key, time.perf_counter()), sent.replies):
+            return False
+        sent.leaders[key] = (item, fake_args, real_args, content)
+        sent.waiting += 1
+        return True
+
+    def _take_replies(self, sent: _Sent, block: bool) -> None:
+        """Install what the workers finished (waiting for one reply when ``block``)."""
+        while sent.waiting:
+            try:
+                reply = sent.replies.get(block=block)
+            except queue_module.Empty:
+                return
+            sent.waiting -= 1
+            block = False
+            item, size, key, submitted = reply.tag
+            _, fake_args, real_args, _ = sent.leaders[key]
+            with COMPILE_LOCK:
+                outcome = self._worker_outcome(reply, item, size, key)
+                if outcome is None:  # the worker failed: compiled here after all
+                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+                    outcome = self.artifact_cache.compile(item.graph, inputs, size, item.index, key)
+                self._add_later(item, size, outcome, sent.progress)
+                for twin, twin_size in sent.followers.pop(key, []):
+                    shared = self.artifact_cache.get(
+                        twin.graph, functools.partial(_as_is, ()), twin_size, twin.index, key
+                    )
+                    self._add_later(twin, twin_size, shared, sent.progress)
+            log.debug(
+                "%s: %s (%s) from a compile worker after %.2fs",
+                self.prefix,
+                item.name,
+                size,
+                time.perf_counter() - submitted,
+            )
+
+    def _worker_outcome(self, reply: Reply, item: SplitItem, size: int, key: str) -> CompileOutcome | None:
+        """The artifact a worker compiled, recorded in the entry; None if the worker failed (the
+        piece is then compiled here: a worker never makes a compile fail)."""
+        assert isinstance(self.compiler, CompilesInWorkers)
+        done = reply.result
+        if isinstance(done, JobDone):
+            try:
+                fn, handle = self.compiler.finish(done)
+            except CompilerError as e:
+                done = JobFailed(str(e))
+            else:
+                return self.artifact_cache.record_compiled(
+                    fn, handle, size, item.index, key, done.seconds, worker=done.pid
+                )
+        if not self._worker_failed:
+            self._worker_failed = True
+            log.warning(
+                "%s: a compile worker failed on %s at size %d (%s); compiling here instead",
+                self.prefix,
+                item.name,
+                size,
+                done.error,
+            )
+        return None
 
     def _record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
         """One artifact obtained: in torch's structured trace, and in the debug dumps."""

@@ -26,8 +26,10 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters, piece_file
+from tessera.cache import liveness
 from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.cache.store import atomic_write, warn_write_failed
+from tessera.compile_worker import CACHE_ENV, JobDone, PieceJob, TensorSpec
 from tessera.config import CompileConfig, Size
 from tessera.errors import ArtifactDamaged, CompilerError, ConfigError
 
@@ -109,6 +111,23 @@ class LoadsWithoutGraph(Protocol):
     """Its saved artifacts load without the piece's graph (so a warm start need not rebuild it)."""
 
     loads_without_graph: bool
+
+
+@runtime_checkable
+class CompilesInWorkers(Protocol):
+    """Compiles a piece at a static size in a worker process (compile_pool.py): ``job`` describes
+    the compile (None: this one cannot leave the process), ``finish`` loads what the worker saved."""
+
+    def job(
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: CompileConfig,
+        size: int,
+        key: str,
+    ) -> PieceJob | None: ...
+
+    def finish(self, done: JobDone) -> tuple[Callable[..., Any], Any]: ...
 
 
 def warm_hash(compiler: Compiler) -> str:
@@ -280,6 +299,45 @@ class InductorCompiler:
                 handle = key
                 counters.bump("artifacts_saved")
         return fn, handle
+
+    def job(
+        self,
+        graph: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: CompileConfig,
+        size: int,
+        key: str,
+    ) -> PieceJob | None:
+        """``compile`` as a job for a worker process, which writes the piece file into the entry.
+        None without a cache directory (a worker's result reaches this process through the file)."""
+        if self.cache_dir is None:
+            return None
+        return PieceJob(
+            graph=graph,
+            inputs=tuple(TensorSpec.of(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
+            config=config,
+            size=size,
+            key=key,
+            cache_dir=str(self.cache_dir),
+            machine_record=str(self.machine_record) if self.machine_record is not None else None,
+            roots=liveness.registered_roots(),
+            env={name: os.environ[name] for name in CACHE_ENV if name in os.environ},
+        )
+
+    def finish(self, done: JobDone) -> tuple[Callable[..., Any], Any]:
+        """The callable for a piece a worker compiled, loaded from the file it saved, as ``compile``
+        would have returned it (its counts added to this process's)."""
+        for name, count in done.counts.items():
+            counters.bump(name, count)
+        if done.handle is None or self.cache_dir is None:
+            raise CompilerError("the compile worker saved no piece file")
+        try:
+            piece = piece_file.PieceFile.from_bytes((self.cache_dir / done.handle).read_bytes())
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CompilerError(f"the compile worker's piece file {done.handle} cannot be read: {e}") from e
+        fn = self._callable(piece, None, done.handle)
+        self._note(fn, PieceNotes(piece.direct.wrapper if piece.direct is not None else "", piece.partitions))
+        return fn, done.handle
 
     def load(
         self,

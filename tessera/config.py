@@ -119,6 +119,13 @@ class CompileConfig:
     # background, is swapped in. False: the first output waits for each distinct piece's general
     # compile. A first call of a listed size under 2 (a size-1 decode) is always compiled at once.
     serve_while_compiling: bool = True
+    # Worker processes that compile the static sizes (compile_sizes) while this process compiles
+    # the general artifacts (in the background, or up front), started on the first model that
+    # needs them and kept for the process; artifacts are the same as compiled here. 0: none.
+    # None: one per two cores beyond two, up to 8 (none on two cores: see compile_pool.py).
+    compile_workers: int | None = field(
+        default_factory=lambda: v.env_value("COMPILE_WORKERS", None, int, v.check_workers)
+    )
     debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
     cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
 
@@ -135,6 +142,7 @@ class CompileConfig:
         v.check_bool("fullgraph", self.fullgraph)
         v.check_bool("background_compile", self.background_compile)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
+        v.check_workers(self.compile_workers)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),

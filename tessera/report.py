@@ -29,6 +29,7 @@ class ArtifactReport:
     file: str  # relative to the cache entry; "" when nothing is on disk
     bytes: int
     served: int = 0
+    worker: int | None = None  # the pid of the compile worker that compiled it (None: this process)
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def build_report(
                     file=record.file if record is not None else "",
                     bytes=record.size if record is not None else 0,
                     served=served.get(size_label(size), 0),
+                    worker=outcome.worker,
                 )
             )
         for piece, runner in list(backend.runners.items()):

@@ -110,6 +110,14 @@ def check_sizes(field: str, sizes: Any, max_size: int | None, minimum: int) -> t
     return tuple(sizes)
 
 
+def check_workers(value: Any) -> None:
+    if value is not None and (not is_int(value) or value < 0):
+        raise ConfigError(
+            f"compile_workers={value!r} must be a number of processes >= 0 (0: compile in this "
+            "process only) or None (chosen from the number of cores)"
+        )
+
+
 def check_max_size(value: Any) -> None:
     if value is not None and (not is_int(value) or value < 1):
         raise ConfigError(f"max_size={value!r} must be a positive integer or None")

@@ -163,6 +163,11 @@ def register_root(root: Path) -> None:
         _ROOTS.append(path)
 
 
+def registered_roots() -> tuple[str, ...]:
+    """The cache roots this process uses (a compile worker takes its writer lock in them too)."""
+    return tuple(_ROOTS)
+
+
 def writer_token(directory: Path) -> str:
     """This process's token, for the name of a temp file about to be created in ``directory``.
 

@@ -83,7 +83,9 @@ def render(report: dict[str, Any], cold: dict[str, Any] | None = None) -> None:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for a in report["artifacts"]:
         size = human_bytes(a["bytes"]) if a["bytes"] else "-"
-        table.add_row(a["piece"], a["size"], a["source"], f"{a['seconds']:.3f}", size, str(a["served"]))
+        # A report written before compile workers existed has no "worker" field.
+        source = f"{a['source']} (worker)" if a.get("worker") is not None else a["source"]
+        table.add_row(a["piece"], a["size"], source, f"{a['seconds']:.3f}", size, str(a["served"]))
     total = sum(a["seconds"] for a in report["artifacts"])
     table.add_row(
         "total", "", "", f"{total:.3f}", human_bytes(sum(a["bytes"] for a in report["artifacts"])), ""

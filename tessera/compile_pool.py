@@ -1,0 +1,168 @@
+"""Compile workers for this process: distinct pieces compiled at once on the machine's cores.
+
+Inductor's compile is Python (lowering, scheduling, code generation) under the GIL, and its
+configuration is global, so two compiles in one process neither overlap nor stay apart
+(``backend.COMPILE_LOCK``). Processes do both. Each worker (``compile_worker.py``) is started once,
+on the first model that needs it, while that model is still tracing, and serves every later model
+of the process; it runs Inductor's own kernel compiles with its share of the cores.
+
+Only static sizes go to a worker (see compile_worker.py). A job a worker cannot take (its graph
+does not pickle, the worker died or raised) is answered ``JobFailed`` and compiled by the caller
+in its own process: a worker can make a compile faster, never make one fail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from tessera.compile_worker import JobDone, JobFailed, PieceJob, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+MAX_WORKERS = 8
+
+
+def default_count() -> int:
+    """Workers when ``compile_workers`` is not set: two cores for this process (tracing, serving
+    as traced, the general compiles) and Inductor's kernel compiles, then one worker per two
+    cores (its Python and its kernel compiles), up to ``MAX_WORKERS``. None on two cores: measured
+    there, one worker made an up-front cold compile slower (its start competes with the general
+    compiles), see benchmarks/cold_start.py."""
+    return max(0, min(MAX_WORKERS, ((os.cpu_count() or 2) - 2) // 2))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What became of one submitted job: ``tag`` is the caller's, ``result`` the worker's answer."""
+
+    tag: Any
+    result: JobDone | JobFailed
+
+
+class _Worker(threading.Thread):
+    """One worker process and the thread that feeds it jobs, one at a time, from the pool's queue."""
+
+    def __init__(self, pool: CompilePool, number: int) -> None:
+        super().__init__(name=f"tessera-compile-worker-{number}", daemon=True)
+        self.pool = pool
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start_process()
+
+    def start_process(self) -> None:
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from tessera.compile_worker import main; main()"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.pool.env,
+            )
+        except OSError as e:
+            log.warning("cannot start a compile worker (%s); compiling in this process", e)
+            self.process = None
+
+    def run(self) -> None:
+        while True:
+            payload, tag, replies = self.pool.jobs.get()
+            replies.put(Reply(tag, self.serve(payload)))
+
+    def serve(self, payload: bytes) -> JobDone | JobFailed:
+        if self.process is None or self.process.poll() is not None:
+            self.start_process()  # a worker that died is replaced for the next job
+        process = self.process
+        if process is None:
+            return JobFailed("no compile worker could be started")
+        stdin: IO[bytes] | None = process.stdin
+        stdout: IO[bytes] | None = process.stdout
+        assert stdin is not None and stdout is not None
+        try:
+            write_message(stdin, payload)
+            result = read_message(stdout)
+        except Exception as e:  # the pipe broke, or the answer is not one: the worker is replaced
+            result = None
+            log.debug("compile worker %d: %s: %s", process.pid, type(e).__name__, e)
+        if not isinstance(result, (JobDone, JobFailed)):
+            process.kill()
+            process.wait()
+            return JobFailed(f"compile worker {process.pid} exited with status {process.returncode}")
+        return result
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # the worker's loop ends at the end of its stdin
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class CompilePool:
+    """Worker processes, started at once and kept until this process exits."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.jobs: queue.SimpleQueue[tuple[bytes, Any, queue.SimpleQueue[Reply]]] = queue.SimpleQueue()
+        self.env = _worker_env(count)
+        self.workers = [_Worker(self, n) for n in range(count)]
+        for worker in self.workers:
+            worker.start()
+
+    def submit(self, job: PieceJob, tag: Any, replies: queue.SimpleQueue[Reply]) -> bool:
+        """Queue ``job``; its ``Reply`` arrives on ``replies``. False (nothing queued) when the job
+        does not pickle: the caller compiles it itself."""
+        try:
+            payload = pickle.dumps(job)
+        except Exception as e:  # a graph holding something unpicklable (a custom op's closure)
+            log.debug("piece job at size %d does not pickle (%s: %s)", job.size, type(e).__name__, e)
+            return False
+        self.jobs.put((payload, tag, replies))
+        return True
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+
+def _worker_env(count: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker imports this very tessera, installed or not.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    # Inductor's kernel compiles in each worker share the cores with the others and the parent;
+    # one thread compiles in-process (no pool of its own to start).
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // (count + 1))))
+    return env
+
+
+_pools: dict[str, CompilePool] = {}  # the one pool of this process, under "shared"
+_pool_lock = threading.Lock()
+
+
+def shared_pool(count: int) -> CompilePool | None:
+    """This process's pool, started with ``count`` workers on first use; None when ``count`` is 0.
+    Later calls get the same pool whatever ``count`` they ask for."""
+    if count <= 0:
+        return None
+    with _pool_lock:
+        pool = _pools.get("shared")
+        if pool is None:
+            pool = _pools["shared"] = CompilePool(count)
+            # atexit runs after the interpreter joined the background compile threads (non-daemon),
+            # so no job is in flight when the workers are told to stop.
+            atexit.register(pool.stop)
+        return pool

@@ -1,0 +1,250 @@
+"""Compile workers: static sizes compiled in processes of their own while the general artifacts
+compile here, with the same results and the same cache contents as a compile in this process."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import queue
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import tessera
+from tessera import counters
+from tessera.compile_pool import CompilePool, Reply
+from tessera.compile_worker import JobDone, JobFailed, PieceJob, TensorSpec
+from tessera.models import toy_llama
+
+FAKE_PID = 4242
+
+
+class WorkerCompiler:
+    """Runs graphs as Python, and says it compiles in workers: with ``FakePool`` the test sees
+    which artifacts the backend sent to a worker and how it handles the replies."""
+
+    name = "worker-fake"
+    here: ClassVar[list[Any]] = []  # the sizes compiled in this process
+
+    def compute_hash(self) -> str:
+        return "worker-fake-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        WorkerCompiler.here.append(size)
+        return graph.forward, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        raise AssertionError("nothing is saved, so nothing is loaded")
+
+    def job(self, graph, example_inputs, config, size, key):
+        return PieceJob(graph, tuple(example_inputs), config, size, key, cache_dir="", machine_record=None)
+
+    def finish(self, done: JobDone) -> tuple[Any, Any]:
+        return FakePool.graphs[done.handle].forward, None
+
+
+class FakePool:
+    """Answers each job at once: done (the graph runs as is), or failed when ``fail`` is set."""
+
+    fail: ClassVar[bool] = False
+    jobs: ClassVar[list[PieceJob]] = []
+    graphs: ClassVar[dict[str, torch.fx.GraphModule]] = {}
+
+    def submit(self, job: PieceJob, tag: Any, replies: queue.SimpleQueue[Reply]) -> bool:
+        FakePool.jobs.append(job)
+        FakePool.graphs[job.key] = job.graph
+        result = JobFailed("the worker died") if FakePool.fail else JobDone(job.key, 0.01, {}, FAKE_PID)
+        replies.put(Reply(tag, result))
+        return True
+
+
+@pytest.fixture
+def fake_workers(monkeypatch):
+    cls = importlib.import_module("tests.test_compile_workers")
+    cls.WorkerCompiler.here = []
+    cls.FakePool.fail = False
+    cls.FakePool.jobs = []
+    cls.FakePool.graphs = {}
+    monkeypatch.setattr("tessera.backend.shared_pool", lambda count: cls.FakePool() if count else None)
+    return cls  # the module tessera loads the compiler from (pytest may import this file apart)
+
+
+def _artifacts(compiled: tessera.CompiledModel, size: str) -> list[Any]:
+    return [a for a in compiled.report.artifacts if a.size == size]
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "up-front"])
+def test_static_sizes_go_to_the_workers_one_job_per_distinct_piece(fake_workers, background):
+    model = toy_llama.build(num_layers=3)
+    compiled = tessera.compile(
+        model,
+        backend="tests.test_compile_workers:WorkerCompiler",
+        compile_sizes=[8],
+        compile_ranges=[4],
+        compile_workers=1,
+        background_compile=background,
+    )
+    for n in (6, 8, 3, 17):  # grad enabled, as a caller's default state is
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
+    assert compiled.wait_ready(60)
+    sized = _artifacts(compiled, "size 8")
+    pieces = sum(not p.is_splitting for p in compiled.pieces)
+    assert len(sized) == pieces
+    # Identical layers send one job; the others take its artifact as shared, as in a compile here.
+    sent = [a for a in sized if a.source == "compiled"]
+    assert {a.worker for a in sent} == {FAKE_PID}
+    assert len(fake_workers.FakePool.jobs) == len(sent) < pieces
+    assert {a.source for a in sized} == {"compiled", "shared"}
+    assert all(job.size == 8 for job in fake_workers.FakePool.jobs)
+    # General artifacts and ranges compile here (their symbolic shapes stay in this process).
+    assert 8 not in fake_workers.WorkerCompiler.here and None in fake_workers.WorkerCompiler.here
+    args = toy_llama.example_inputs(8)
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert dict(next(p for p in compiled.pieces if not p.is_splitting).served).get("size 8", 0) >= 1
+
+
+def test_a_failed_worker_is_said_once_and_the_piece_compiles_here(fake_workers, caplog):
+    fake_workers.FakePool.fail = True
+    model = toy_llama.build(num_layers=3)
+    compiled = tessera.compile(
+        model,
+        backend="tests.test_compile_workers:WorkerCompiler",
+        compile_sizes=[8],
+        compile_workers=1,
+        background_compile=True,
+    )
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        args = toy_llama.example_inputs(5)
+        torch.testing.assert_close(compiled(*args), model(*args))
+        assert compiled.wait_ready(60)
+    said = [r for r in caplog.records if "compile worker failed" in r.getMessage()]
+    assert len(said) == 1 and "the worker died" in said[0].getMessage()
+    assert compiled.report.background == "done"
+    assert fake_workers.WorkerCompiler.here.count(8) == len(fake_workers.FakePool.jobs) >= 1
+    assert all(a.worker is None for a in compiled.report.artifacts)
+    args = toy_llama.example_inputs(8)
+    torch.testing.assert_close(compiled(*args), model(*args))
+
+
+def test_no_workers_without_a_cache_or_when_asked_for_none(fake_workers):
+    model = toy_llama.build(num_layers=1)
+    for options in ({"compile_workers": 0}, {"disable_cache": True}):
+        torch._dynamo.reset()
+        compiled = tessera.compile(
+            model, backend="tests.test_compile_workers:WorkerCompiler", compile_sizes=[8], **options
+        )
+        args = toy_llama.example_inputs(8)
+        torch.testing.assert_close(compiled(*args), model(*args))
+    assert fake_workers.FakePool.jobs == []
+
+
+def test_compile_workers_is_checked():
+    with pytest.raises(tessera.ConfigError, match="compile_workers"):
+        tessera.CompileConfig(compile_workers=-1)
+    with pytest.raises(tessera.ConfigError, match="compile_workers"):
+        tessera.CompileConfig(compile_workers=True)  # type: ignore[arg-type]
+
+
+# -- real workers (Inductor) ------------------------------------------------------------------
+
+
+def _piece() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    # Unannotated: fx puts annotations into the graph, and a string one (this file's future
+    # import) does not pickle; such a piece is compiled in the parent (tested below).
+    def f(x, w):  # type: ignore[no-untyped-def]
+        return ((x @ w).relu() * 2 + 1,)
+
+    graph = torch.fx.symbolic_trace(f)
+    return graph, [torch.randn(8, 16), torch.randn(16, 16)]
+
+
+def _code(path: Path) -> str:
+    from tessera import piece_file
+
+    piece = piece_file.PieceFile.from_bytes(path.read_bytes())
+    assert piece.direct is not None
+    # The AOT id is a per-process counter of Inductor's compiles, in a comment.
+    return re.sub(r"# AOT ID: .*", "", piece.direct.wrapper)
+
+
+@pytest.mark.inductor
+def test_a_worker_writes_the_piece_file_a_compile_here_would(tmp_path):
+    from tessera.compilers import InductorCompiler
+
+    graph, inputs = _piece()
+    config = tessera.CompileConfig(backend="inductor")
+    here, there = tmp_path / "here", tmp_path / "there"
+    for directory in (here, there):
+        directory.mkdir()
+    local = InductorCompiler()
+    local.initialize_cache(here)
+    fn, handle = local.compile(graph, inputs, config, 8, "piece.bin")
+    remote = InductorCompiler()
+    remote.initialize_cache(there)
+    job = remote.job(graph, inputs, config, 8, "piece.bin")
+    assert job is not None and isinstance(job.inputs[0], TensorSpec)
+    pool = CompilePool(1)
+    try:
+        replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        with counters.expect(inductor_compiles=1, artifacts_saved=1, artifacts_loaded=0):
+            assert pool.submit(job, "tag", replies)
+            reply = replies.get(timeout=300)
+            assert reply.tag == "tag" and isinstance(reply.result, JobDone), reply.result
+            worker_fn, worker_handle = remote.finish(reply.result)
+        assert reply.result.pid == pool.workers[0].process.pid  # type: ignore[union-attr]
+        assert worker_handle == handle == "piece.bin"
+        assert _code(there / worker_handle) == _code(here / handle)
+        torch.testing.assert_close(worker_fn(*inputs), fn(*inputs))
+        torch.testing.assert_close(tuple(worker_fn(*inputs)), tuple(graph(*inputs)))
+
+        # A worker that died is replaced for the next job; a compile that raises is a JobFailed.
+        pool.workers[0].process.kill()  # type: ignore[union-attr]
+        pool.workers[0].process.wait()  # type: ignore[union-attr]
+        assert pool.submit(job, "again", replies)
+        assert isinstance(replies.get(timeout=300).result, JobDone)
+        broken = PieceJob(
+            graph, (TensorSpec((8, 3), (3, 1), torch.float32, "cpu"),) * 2, config, 8, "x", str(there), None
+        )
+        assert pool.submit(broken, "broken", replies)
+        failed = replies.get(timeout=300)
+        assert failed.tag == "broken" and isinstance(failed.result, JobFailed)
+        # A job that does not pickle is not sent: the caller compiles it.
+        unpicklable = PieceJob(graph, (lambda: None,), config, 8, "y", str(there), None)
+        assert pool.submit(unpicklable, "no", replies) is False
+    finally:
+        pool.stop()
+    assert all(w.process is None or w.process.poll() is not None for w in pool.workers)
+
+
+@pytest.mark.inductor
+def test_inductor_with_a_worker_equals_eager_and_the_next_start_loads_every_size(tmp_path):
+    model = toy_llama.build(num_layers=2)
+    options: dict[str, Any] = {"backend": "inductor", "compile_sizes": [8], "compile_workers": 1}
+    compiled = tessera.compile(model, background_compile=True, **options)
+    sizes = (6, 8, 3, 17)
+    for n in sizes:
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, compiling")
+    assert compiled.wait_ready(300)
+    sent = [a for a in _artifacts(compiled, "size 8") if a.source == "compiled"]
+    assert sent and all(a.worker is not None for a in sent)
+    for n in sizes:
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
+    # What the worker compiled is in the cache: a warm start loads every size, compiles nothing.
+    torch._dynamo.reset()
+    counters.reset()
+    warm = tessera.compile(model, **options)
+    args = toy_llama.example_inputs(8)
+    torch.testing.assert_close(warm(*args), model(*args))
+    counts = counters.snapshot()
+    assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts
+    assert warm.report.kind == "warm"
+    assert len(_artifacts(warm, "size 8")) == sum(not p.is_splitting for p in warm.pieces)
