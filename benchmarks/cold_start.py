@@ -8,7 +8,10 @@ size up front. Runs are interleaved so that drift on the machine falls on all al
 Also the batch-1 decode service (``--size-one-layers``): 20 calls of size 1 with ``compile_sizes``
 listing 1, then each call against eager, in the first process and in the next (warm) one.
 
-Run: ``python -m benchmarks.cold_start [--layers 4 16 32] [--repeats 1] [--size-one-layers 4]``.
+Compile workers against none (``--workers-layers``): every size ready, up front and in the background.
+
+Run: ``python -m benchmarks.cold_start [--layers 4 16 32] [--repeats 1] [--size-one-layers 4]
+[--workers N] [--workers-layers 4 16]``.
 """
 
 from __future__ import annotations
@@ -138,10 +141,11 @@ def size_one(layers: int) -> dict[str, Any]:
     return out
 
 
-def run(impl: str, layers: int) -> dict[str, float]:
+def run(impl: str, layers: int, workers: int | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
         env = {
             **os.environ,
+            **({"TESSERA_COMPILE_WORKERS": str(workers)} if workers is not None else {}),
             "TESSERA_CACHE_DIR": os.path.join(scratch, "tessera"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
             "TESSERA_PROGRESS": "0",
@@ -166,6 +170,26 @@ def run(impl: str, layers: int) -> dict[str, float]:
     }
 
 
+def workers_row(layers: int, workers: int, repeats: int) -> dict[str, Any]:
+    """Compile workers against none: first output and every size ready, up front and in the
+    background, interleaved, the median of ``repeats``."""
+    cases = [(impl, n) for impl in IMPLS[1:] for n in (0, workers)]
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {case: [] for case in cases}
+    for _ in range(repeats):
+        for impl, n in cases:
+            runs[impl, n].append(run(impl, layers, n))
+            print(f"{layers} layers {impl} workers={n}: {runs[impl, n][-1]}", file=sys.stderr, flush=True)
+    row: dict[str, Any] = {"layers": layers, "workers": workers}
+    for (impl, n), results in runs.items():
+        for figure in ("first_output_s", "all_ready_s"):
+            row[f"{impl}_workers{n}_{figure}"] = round(statistics.median(r[figure] for r in results), 2)
+    for impl in IMPLS[1:]:
+        row[f"{impl}_all_ready_workers_vs_none"] = round(
+            row[f"{impl}_workers{workers}_all_ready_s"] / row[f"{impl}_workers0_all_ready_s"], 3
+        )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
@@ -178,14 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, nargs="*", default=[4, 16, 32])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--size-one-layers", type=int, nargs="*", default=[4])
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="compile workers (default: tessera's choice); compared with none in --workers-layers",
+    )
+    parser.add_argument("--workers-layers", type=int, nargs="*", default=[])
     options = parser.parse_args(args)
     size_one_rows = [size_one(layers) for layers in options.size_one_layers]
+    compared = options.workers if options.workers else 1
+    worker_rows = [workers_row(layers, compared, options.repeats) for layers in options.workers_layers]
     rows = []
     for layers in options.layers:
         runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in IMPLS}
         for _ in range(options.repeats):
             for impl in IMPLS:
-                runs[impl].append(run(impl, layers))
+                runs[impl].append(run(impl, layers, options.workers))
                 print(f"{layers} layers {impl}: {runs[impl][-1]}", file=sys.stderr, flush=True)
         row: dict[str, Any] = {"layers": layers}
         for impl, results in runs.items():
@@ -205,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 **header("cold_start"),
                 "config": config,
                 "repeats": options.repeats,
+                "workers": options.workers,
                 "rows": rows,
+                "compile_workers": worker_rows,
                 "size_one": size_one_rows,
             },
             indent=1,
