@@ -219,7 +219,7 @@ class PiecewiseBackend:
             for s in (self._sizes(fake)[:1] if later else self._sizes(fake))
         }
         # Started now, so that the workers import Inductor while the general artifacts compile.
-        self._pool = self._compile_pool(any(find_size_source(fake) is not None for _, fake, _ in calls))
+        self._pool = self._compile_pool(any(_worker_fit(fake) for _, fake, _ in calls))
         # Up front with workers: every general artifact here first, then the rest at once, the
         # static sizes in the workers (as in the background, but before the first output).
         rest_now = not later and self._pool is not None
@@ -421,7 +421,7 @@ class PiecewiseBackend:
 
     # -- compile workers ------------------------------------------------------------------------
     def _compile_pool(self, sized: bool) -> CompilePool | None:
-        """The compile workers, when some of this model can go to them: pieces with a size
+        """The compile workers, when some of this model can go to them: CPU pieces with a size
         (``sized``) and static compile sizes for them, a compiler that compiles in workers, a
         cache entry for their files, no CUDA graphs (a capture needs every size at install), and
         workers asked for."""
@@ -772,6 +772,14 @@ class PiecewiseBackend:
     @property
     def compiled(self) -> int:
         return self.artifact_cache.compiled
+
+
+def _worker_fit(fake_args: Sequence[Any]) -> bool:
+    """Whether a piece's static sizes can go to a compile worker: it has a size, and its inputs
+    are on the CPU (see InductorCompiler.job)."""
+    return find_size_source(fake_args) is not None and all(
+        not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in fake_args
+    )
 
 
 def _as_is(values: Sequence[Any]) -> Sequence[Any]:

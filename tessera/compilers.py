@@ -309,8 +309,14 @@ class InductorCompiler:
         key: str,
     ) -> PieceJob | None:
         """``compile`` as a job for a worker process, which writes the piece file into the entry.
-        None without a cache directory (a worker's result reaches this process through the file)."""
+        None without a cache directory (a worker's result reaches this process through the file)
+        and for inputs on an accelerator (see below)."""
         if self.cache_dir is None:
+            return None
+        if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
+            # A worker would make its own device context and allocate the example inputs there:
+            # memory a serving process on the same accelerator may need. Until workers compile
+            # from fake inputs, accelerator pieces compile in this process.
             return None
         return PieceJob(
             graph=graph,
