@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, counters, dynamo_guards, hooks, validation
-from tessera.backend import COMPILE_LOCK, PiecewiseBackend
+from tessera.backend import COMPILE_LOCK, GraphReceiver, PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
+from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.key import fingerprint_record
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
-from tessera.cache.store import cache_root, rank_dir
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import (
@@ -175,7 +175,7 @@ class CompiledModel:
         self._module = model if isinstance(model, torch.nn.Module) else None
         # What the traced frame calls: the forward itself, so root hooks stay ours to run.
         self._target: Callable[..., Any] = model.forward if isinstance(model, torch.nn.Module) else model
-        self._entry = entry_frame()
+        self._traced_fn = entry_frame()
         self._dynamic_dims = dynamic_dims
         # Re-entrant: a call that waited for the first call's compile is served under the lock,
         # and may need a re-trace or a small-size child, which take it again.
@@ -277,7 +277,7 @@ class CompiledModel:
     def cache_dir(self) -> Path | None:
         """Where this model's artifacts live; None when the cache is disabled or not yet used."""
         backend = self._graphs[0][1] if self._graphs else self._backend
-        return backend.store.path if backend is not None and backend.store is not None else None
+        return backend.entry.path if backend is not None and backend.entry is not None else None
 
     @property
     def report(self) -> CompileReport | None:
@@ -348,7 +348,7 @@ class CompiledModel:
     @property
     def entry_frame(self) -> types.FunctionType:
         """The frame tessera traces (it calls ``target``)."""
-        return self._entry
+        return self._traced_fn
 
     @property
     def target(self) -> Callable[..., Any]:
@@ -455,7 +455,7 @@ class CompiledModel:
                 fetch_pointer(remote, root, print_)
             try:
                 backend, call, spec = PiecewiseBackend.from_artifact(
-                    self.compile_config, compiler, root, prefix, print_, self._entry
+                    self.compile_config, compiler, root, prefix, print_, self._traced_fn
                 )
                 try:
                     args, kwargs = self._fits(spec, args, kwargs)
@@ -474,7 +474,7 @@ class CompiledModel:
                 self.startup_phases.update(backend.phases)
                 start = time.perf_counter()
                 fast = functools.partial(call, self._target)
-                self._install(fast, spec, _compat.guard_globals(self._entry.__globals__))
+                self._install(fast, spec, _compat.guard_globals(self._traced_fn.__globals__))
                 # The forward itself: the root hooks already wrap this first call (_first_call),
                 # and _fits has checked and normalised its arguments.
                 versions = _versions(args, kwargs)
@@ -696,7 +696,7 @@ class CompiledModel:
             context.remote,
         )
         # A trace for small sizes alone (a size-1 decode) is its whole workload: compiled at once.
-        backend = PiecewiseBackend(
+        receiver = GraphReceiver(
             self.compile_config, compiler, root, prefix, remote, serve_traced=self._name is None
         )
         start = time.perf_counter()
@@ -707,8 +707,8 @@ class CompiledModel:
             if self._mark_nested is not None:
                 self._mark_nested(values)
             trace = trace_once(
-                self._entry,
-                backend,
+                self._traced_fn,
+                receiver,
                 self._target,
                 args,
                 kwargs,
@@ -718,6 +718,7 @@ class CompiledModel:
                 size_oblivious=self.compile_config.dynamic_shapes == "backed_size_oblivious",
             )
         self._mutated = _changed(versions, args, kwargs)
+        backend = receiver.received()
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
         self.startup_phases["trace"] = (
             self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
@@ -728,17 +729,19 @@ class CompiledModel:
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
         self._install(
-            functools.partial(trace.call, self._target), spec, _compat.guard_globals(self._entry.__globals__)
+            functools.partial(trace.call, self._target),
+            spec,
+            _compat.guard_globals(self._traced_fn.__globals__),
         )
         if print_ is None:
             backend.start_background()
             return trace.output
-        entry, code = self._entry, trace.code
+        traced_fn, code = self._traced_fn, trace.code
 
         def save() -> None:  # once every size is compiled (in the background, or now)
-            backend.save_artifact(print_, entry, code, spec)
-            if remote is not None and root is not None and backend.store is not None:
-                publish(remote, root, print_, backend.store)
+            backend.save_artifact(print_, traced_fn, code, spec)
+            if remote is not None and root is not None and backend.entry is not None:
+                publish(remote, root, print_, backend.entry)
             if self.first_call_seconds is not None and self.cache_dir is not None:
                 report = self._make_report()  # the record with every size, for `tessera report`
                 save_report(self.cache_dir, report.kind, json.dumps(report.as_dict(), indent=1))
@@ -781,7 +784,7 @@ class CompiledModel:
             )
             # An assumption the very call it came from breaks is a translation tessera cannot
             # check: say so (it would refuse every call), and keep the rest.
-            bound = spec.bind(self._target, _compat.guard_globals(self._entry.__globals__))
+            bound = spec.bind(self._target, _compat.guard_globals(self._traced_fn.__globals__))
             broken = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
             if broken:
                 log.warning("%s: guards tessera cannot re-check, not checked: %s", self.name, sorted(broken))
@@ -804,7 +807,7 @@ class CompiledModel:
             state = call_check.explain_state(spec.global_state, _compat.call_state())
             raise WarmStartUnavailable(f"the artifact was traced under another state: {state}")
         try:
-            bound = spec.bind(self._target, _compat.guard_globals(self._entry.__globals__))
+            bound = spec.bind(self._target, _compat.guard_globals(self._traced_fn.__globals__))
         except call_check.InputMismatchError as e:
             raise WarmStartUnavailable(str(e)) from e
         mismatches = spec.mismatches(args, kwargs, bound)

@@ -19,9 +19,9 @@ import torch.fx
 
 from tessera import counters
 from tessera.cache import liveness, trust
+from tessera.cache.entry import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
 from tessera.cache.key import KeyRecord
-from tessera.cache.store import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.errors import ArtifactDamaged, CompilerError
@@ -48,16 +48,16 @@ class CompileOutcome:
 class ArtifactCache:
     """Owns one compiler, the entry it records into, and the artifacts of this process."""
 
-    def __init__(self, compiler: Compiler, config: CompileConfig, store: CacheEntry | None = None) -> None:
+    def __init__(self, compiler: Compiler, config: CompileConfig, entry: CacheEntry | None = None) -> None:
         self.compiler = compiler
         self.config = config
-        self.store = store
+        self.entry = entry
         self._compiler_hash: str | None = None  # computed on first compile: it may import the compiler
         self._by_content: dict[str, CompileOutcome] = {}
         self.loaded = 0
         self.compiled = 0
         self.fallbacks: list[Fallback] = []  # artifacts the index vouched for that could not serve
-        compiler.initialize_cache(store.path if store is not None else None)
+        compiler.initialize_cache(entry.path if entry is not None else None)
 
     def content_key(self, piece_content: str, size: Size) -> str:
         """What identifies one artifact of a piece: its content, the size, the compiler and config
@@ -120,8 +120,8 @@ class ArtifactCache:
         compile worker's file is this process's too: it records it)."""
         key = index_key(size, index, self.compiler.name)
         owner = None
-        if self.store is not None:
-            owner = self._write(lambda store: liveness.writer_token(store.path / ARTIFACTS))
+        if self.entry is not None:
+            owner = self._write(lambda entry: liveness.writer_token(entry.path / ARTIFACTS))
         return f"{ARTIFACTS}/.{artifact_label(key)}.{owner or os.getpid()}.{uuid.uuid4().hex[:8]}"
 
     def record_compiled(
@@ -139,11 +139,11 @@ class ArtifactCache:
         key = index_key(size, index, self.compiler.name)
         self.compiled += 1
         record = None
-        if self.store is not None and handle is not None:
+        if self.entry is not None and handle is not None:
             counters.bump("cache_misses")
             # Recorded only now, after the artifact is complete on disk (and written to the index
             # at the end of the turn): a process that dies mid-compile leaves nothing to trust.
-            record = self._write(lambda store: store.record_artifact(key, str(handle), content))
+            record = self._write(lambda entry: entry.record_artifact(key, str(handle), content))
         outcome = CompileOutcome(fn, seconds, "compiled", record, worker)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
@@ -170,25 +170,25 @@ class ArtifactCache:
         if twin is not None:
             counters.bump("cache_hits")
             shared = twin.record
-            if self.store is not None and shared is not None:
-                self._write(lambda store: store.link_artifacts({key: shared}))
+            if self.entry is not None and shared is not None:
+                self._write(lambda entry: entry.link_artifacts({key: shared}))
             return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
         return None
 
     def flush(self) -> None:
         """Write what this turn recorded to the entry's index: once, however many pieces."""
-        if self.store is not None:
-            self._write(lambda store: store.flush())
+        if self.entry is not None:
+            self._write(lambda entry: entry.flush())
 
     def _write(self, update: Callable[[CacheEntry], Any]) -> Any:
         """Apply ``update`` to the entry; on failure (disk full, read-only) warn once, stop using
         the cache for this model's remaining pieces, and keep going with what is in memory."""
-        assert self.store is not None, "_write needs a store"
+        assert self.entry is not None, "_write needs an entry"
         try:
-            return update(self.store)
+            return update(self.entry)
         except OSError as e:
-            warn_write_failed(self.store.path, e)
-            self.store = None
+            warn_write_failed(self.entry.path, e)
+            self.entry = None
             self.compiler.initialize_cache(None)
             return None
 
@@ -214,18 +214,18 @@ class ArtifactCache:
         A file that passes its checksum but that the compiler's load fails on for another reason
         than its bytes (``DAMAGE_ERRORS``) is a ``CompilerError``: a loader bug, not damage.
         """
-        if self.store is None:
+        if self.entry is None:
             return None
-        record = self.store.index.entries.get(key)
+        record = self.entry.index.entries.get(key)
         if record is None:
             return None
         subject = f"piece {index} ({size_label(size)}): {record.file or 'nothing on disk'}"
-        untrusted = trust.problem(self.store.path / record.file) if record.file else None
+        untrusted = trust.problem(self.entry.path / record.file) if record.file else None
         if untrusted is not None:
-            trust.warn_once(self.store.path / record.file, untrusted, "not loading it; compiling the piece")
-            self.store.forget(key)
+            trust.warn_once(self.entry.path / record.file, untrusted, "not loading it; compiling the piece")
+            self.entry.forget(key)
             return Fallback("piece artifact", subject, "untrusted", untrusted)
-        problem = self.store.check(record)
+        problem = self.entry.check(record)
         if problem is None:
             try:
                 return self.compiler.load(record.file, graph, (), index, size), record
@@ -233,12 +233,12 @@ class ArtifactCache:
                 problem = f"not loadable ({type(e).__name__}: {str(e)[:120]})"
             except Exception as e:  # re-raised with the piece and file named, never swallowed
                 raise CompilerError(
-                    f"compiler {self.compiler.name!r} failed to load {self.store.path / record.file} "
+                    f"compiler {self.compiler.name!r} failed to load {self.entry.path / record.file} "
                     f"for piece {index} ({size_label(size)}): {type(e).__name__}: {e}. The file passed "
                     "its checksum, so this is not cache damage but a failure of the compiler's load() "
                     "(a bug, or what it needs is missing here), and recompiling would not cure it. Fix "
                     "the loader, or compile without the cache (disable_cache=True)"
                 ) from e
-        self.store.report_damage(record.file, problem)
-        self.store.forget(key)
+        self.entry.report_damage(record.file, problem)
+        self.entry.forget(key)
         return Fallback("piece artifact", subject, "damage", problem)

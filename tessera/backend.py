@@ -31,6 +31,7 @@ from tessera.aliases import replay_input_aliases
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
+from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.cache.index import index_key
 from tessera.cache.key import (
     SourceFile,
@@ -42,7 +43,6 @@ from tessera.cache.key import (
 )
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
-from tessera.cache.store import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.call_check import CallSpec
 from tessera.compile_pool import CompilePool, Reply, default_count, shared_pool
 from tessera.compile_worker import JobDone, JobFailed
@@ -96,8 +96,9 @@ class _Sent:
     waiting: int = 0  # jobs sent whose reply is not in yet
 
 
-class PiecewiseBackend:
-    """Splits, compiles or loads, and dispatches the pieces of one model."""
+class GraphReceiver:
+    """What Dynamo calls with the traced graph (the backend it is given): builds the model's
+    ``PiecewiseBackend`` from that graph, whole (``PiecewiseBackend.from_trace``), once."""
 
     def __init__(
         self,
@@ -107,17 +108,69 @@ class PiecewiseBackend:
         prefix: str,
         remote: RemoteTier | None = None,
         serve_traced: bool = False,
-        store: CacheEntry | None = None,
     ) -> None:
-        """``store``: the entry artifacts are read from and recorded in, when known (a warm start);
-        a trace makes its entry once the graph is known."""
+        self.config = config
+        self.compiler = compiler
+        self.cache_root = cache_root
+        self.prefix = prefix
+        self.remote = remote
+        self.serve_traced = serve_traced
+        self.backend: PiecewiseBackend | None = None  # None until Dynamo has called
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        backend = PiecewiseBackend.from_trace(
+            gm,
+            example_inputs,
+            self.config,
+            self.compiler,
+            self.cache_root,
+            self.prefix,
+            remote=self.remote,
+            serve_traced=self.serve_traced,
+        )
+        self.backend = backend
+        assert backend.split_forward is not None
+        return backend.split_forward
+
+    def received(self) -> PiecewiseBackend:
+        """The backend Dynamo's graph built; one without pieces when Dynamo made no graph (a
+        function with no tensor work calls no backend)."""
+        if self.backend is not None:
+            return self.backend
+        return PiecewiseBackend(self.config, self.compiler, self.cache_root, self.prefix, remote=self.remote)
+
+
+class PiecewiseBackend:
+    """Splits, compiles or loads, and dispatches the pieces of one model.
+
+    Built whole by one of two classmethods: ``from_trace`` (Dynamo's graph, through
+    ``GraphReceiver``) or ``from_artifact`` (the whole-model artifact of a warm start). The
+    constructor takes what both know before any piece: the cache entry is fixed for its life.
+    """
+
+    def __init__(
+        self,
+        config: CompileConfig,
+        compiler: Compiler,
+        cache_root: Path | None,
+        prefix: str,
+        *,
+        entry: CacheEntry | None = None,
+        remote: RemoteTier | None = None,
+        serve_traced: bool = False,
+        sources: Sequence[SourceFile] = (),
+        phases: dict[str, float] | None = None,
+    ) -> None:
+        """``entry``: the cache entry artifacts are read from and recorded in (None: no cache)."""
         self.config = config
         self.remote = remote  # the fleet's shared store behind the local cache (cache/remote.py)
         self.compiler = compiler
         self.cache_root = cache_root
         self.prefix = prefix
-        self.artifact_cache = ArtifactCache(compiler, config, store)
-        self.sources: list[SourceFile] = []
+        if cache_root is not None and isinstance(compiler, KeepsMachineRecord):
+            compiler.use_machine_record(cache_root)
+        self.artifact_cache = ArtifactCache(compiler, config, entry)
+        self.sources: list[SourceFile] = list(sources)
         self.items: list[SplitItem] = []  # trace path only
         self.order: list[tuple[str, bool]] = []  # every piece in order: (name, is_splitting)
         self.split_gm: torch.fx.GraphModule | None = None  # trace path only
@@ -126,7 +179,8 @@ class PiecewiseBackend:
         self.records: dict[str, PieceRecord] = {}
         self.runners: dict[str, PieceRunner] = {}
         self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
-        self.phases: dict[str, float] = {}  # seconds per phase (split, compile, load_kernels, ...)
+        # seconds per phase (split, compile, load_kernels, ...)
+        self.phases: dict[str, float] = dict(phases) if phases is not None else {}
         self.outcomes: list[tuple[str, Size, CompileOutcome]] = []  # (piece, size, how obtained)
         self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
         # Serve first, specialise after: (piece, fake and real inputs, sizes, content) left for
@@ -144,65 +198,93 @@ class PiecewiseBackend:
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
-        if cache_root is not None and isinstance(compiler, KeepsMachineRecord):
-            compiler.use_machine_record(cache_root)
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
 
     # -- trace path ----------------------------------------------------------------------------
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        """Dynamo's backend entry point: called once with the traced graph."""
+    @classmethod
+    def from_trace(
+        cls,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: CompileConfig,
+        compiler: Compiler,
+        cache_root: Path | None,
+        prefix: str,
+        *,
+        remote: RemoteTier | None = None,
+        serve_traced: bool = False,
+    ) -> PiecewiseBackend:
+        """A complete backend from Dynamo's traced graph: split at the splitting ops, its cache
+        entry made, every piece compiled or loaded (or, in the background, left for
+        ``start_background``) and swapped into the split module (``split_forward``)."""
         counters.bump("graphs_traced")
-        if (
-            self.config.mode == "trace_once"
-            or self.config.cudagraph_mode == "full"
-            or self.config.graph_partition
-        ):
+        if config.mode == "trace_once" or config.cudagraph_mode == "full" or config.graph_partition:
             # One piece, the whole graph: captured whole ("full"), or partitioned by Inductor itself.
             specs: Sequence[Any] = ()
-        elif self.config.splitting_ops is None:
+        elif config.splitting_ops is None:
             specs = default_splitting_ops()
         else:
-            specs = self.config.splitting_ops
+            specs = config.splitting_ops
         start = time.perf_counter()
         matcher = SplitMatcher(specs)
         split_gm, items = split_graph(gm, matcher)
         replay_input_aliases(gm, split_gm)
-        if self.config.splitting_ops:
+        if config.splitting_ops:
             for name in matcher.unmatched():
                 warnings.warn(
-                    f"splitting op {name!r} matches no call in the traced graph of {self.prefix}; "
+                    f"splitting op {name!r} matches no call in the traced graph of {prefix}; "
                     "check the name (see computation_graph.py in the cache entry for what was traced)",
                     TesseraWarning,
                     stacklevel=2,
                 )
+        split_dump = dump_split_graph(split_gm, items)
+        sources: list[SourceFile] = []
+        entry = None
+        factors: dict[str, Any] | None = None
+        if cache_root is not None:
+            sources = traced_sources(graph_code_objects(gm))
+            factors = collect_factors(
+                config, compiler.name, compiler.compute_hash(), sources, graph_signature(gm)
+            )
+            entry = CacheEntry.create(cache_root, prefix, factors, split_dump, sources)
+        backend = cls(
+            config,
+            compiler,
+            cache_root,
+            prefix,
+            entry=entry,
+            remote=remote,
+            serve_traced=serve_traced,
+            sources=sources,
+        )
+        _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
+        if backend.dumps is not None:
+            backend.dumps.traced_graph(gm.code)
+            backend.dumps.split_graph(split_dump)
+            if factors is not None:
+                backend.dumps.factors(factors)
+        backend._build_pieces(gm, split_gm, items, example_inputs, start)
+        return backend
+
+    def _build_pieces(
+        self,
+        gm: torch.fx.GraphModule,
+        split_gm: torch.fx.GraphModule,
+        items: Sequence[SplitItem],
+        example_inputs: Sequence[Any],
+        start: float,
+    ) -> None:
+        """Install a runner for every piece of the split module (from_trace's second half)."""
         self.split_gm, self.items = split_gm, list(items)
         self.order = [(item.name, item.is_splitting) for item in items]
         counters.bump("pieces", len(items))
         counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
-        split_dump = dump_split_graph(split_gm, items)
-        _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
-        if self.dumps is not None:
-            self.dumps.traced_graph(gm.code)
-            self.dumps.split_graph(split_dump)
         log.debug(
             "traced graph of %d nodes split into %d piece(s) (%d compiled)",
             len(gm.graph.nodes),
             len(items),
             sum(not item.is_splitting for item in items),
         )
-        if self.cache_root is not None:
-            self.sources = traced_sources(graph_code_objects(gm))
-            factors = collect_factors(
-                self.config,
-                self.compiler.name,
-                self.compiler.compute_hash(),
-                self.sources,
-                graph_signature(gm),
-            )
-            if self.dumps is not None:
-                self.dumps.factors(factors)
-            store = CacheEntry.create(self.cache_root, self.prefix, factors, split_dump, self.sources)
-            self.artifact_cache = ArtifactCache(self.compiler, self.config, store)
         for item in items:
             if item.is_splitting:
                 # The split module calls self.submod_N(...): an instance attribute shadows the
@@ -223,8 +305,8 @@ class PiecewiseBackend:
         # Up front with workers: every general artifact here first, then the rest at once, the
         # static sizes in the workers (as in the background, but before the first output).
         rest_now = not later and self._pool is not None
-        store = self.artifact_cache.store
-        turn = compile_turn(store, needed, self.remote) if store is not None else contextlib.nullcontext()
+        entry = self.artifact_cache.entry
+        turn = compile_turn(entry, needed, self.remote) if entry is not None else contextlib.nullcontext()
         progress = CompileProgress(self.prefix, len(needed))
         try:
             with COMPILE_LOCK, turn:
@@ -247,7 +329,6 @@ class PiecewiseBackend:
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
         # forward, not __call__: skips nn.Module call machinery on every step.
         self.split_forward = split_gm.forward
-        return split_gm.forward
 
     def _build(
         self,
@@ -384,7 +465,7 @@ class PiecewiseBackend:
         then the compile sizes and ranges. Static sizes go to the compile workers, when there are
         any, at once: they compile there while the others compile here."""
         queue = [(work, size) for work in self._later for size in work[3]]
-        queue.sort(key=lambda entry: entry[1] is not None)
+        queue.sort(key=lambda job: job[1] is not None)
         sent = _Sent(self._pool, progress)
         here = [(work, size) for work, size in queue if not self._send(sent, work, size)]
         for (item, fake_args, real_args, _, content), size in here:
@@ -430,7 +511,7 @@ class PiecewiseBackend:
             or not self.compile_sizes
             or self.graph_backend is not None
             or not isinstance(self.compiler, CompilesInWorkers)
-            or self.artifact_cache.store is None
+            or self.artifact_cache.entry is None
         ):
             return None
         count = self.config.compile_workers
@@ -554,7 +635,7 @@ class PiecewiseBackend:
         cache_root: Path,
         prefix: str,
         fingerprint: str,
-        entry: types.FunctionType,
+        traced_fn: types.FunctionType,
     ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
         """A complete backend, the traced frame's callable and what the trace assumed of a call,
         rebuilt from the whole-model artifact.
@@ -568,7 +649,7 @@ class PiecewiseBackend:
             entry_path = model_artifact.read_pointer(cache_root, fingerprint)
             if entry_path is None:
                 raise model_artifact.NoArtifactYet("no whole-model artifact for this model yet")
-            return cls._from_entry(config, compiler, cache_root, prefix, entry_path, entry)
+            return cls._from_entry(config, compiler, cache_root, prefix, entry_path, traced_fn)
         except (model_artifact.NoArtifactYet, model_artifact.OtherPath):
             raise  # a cold start, or a model recorded to run on another path: no fallback
         except WarmStartUnavailable:
@@ -583,22 +664,28 @@ class PiecewiseBackend:
         cache_root: Path,
         prefix: str,
         entry_path: Path,
-        entry: types.FunctionType,
+        traced_fn: types.FunctionType,
     ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
         start = time.perf_counter()
         try:
-            store = CacheEntry.open_existing(entry_path)
-            data = store.read_model()
+            entry = CacheEntry.open_existing(entry_path)
+            data = entry.read_model()
         except EntryUnusable as e:
             raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
         read = time.perf_counter()
         saved = model_artifact.loads(data)
-        backend = cls(config, compiler, cache_root, prefix, store=store)
-        backend.sources = list(saved.sources)
-        backend.phases = {"read_and_verify": read - start, "unpickle": time.perf_counter() - read}
+        backend = cls(
+            config,
+            compiler,
+            cache_root,
+            prefix,
+            entry=entry,
+            sources=saved.sources,
+            phases={"read_and_verify": read - start, "unpickle": time.perf_counter() - read},
+        )
         backend.artifact_status = "loaded"
         try:
-            call = backend._rebuild(saved, entry)
+            call = backend._rebuild(saved, traced_fn)
         except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
             raise
         except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
@@ -610,7 +697,7 @@ class PiecewiseBackend:
         backend.ready.set()  # every size was in the artifact
         return backend, call, saved.call_spec
 
-    def _rebuild(self, saved: ModelArtifact, entry: types.FunctionType) -> Callable[..., Any]:
+    def _rebuild(self, saved: ModelArtifact, traced_fn: types.FunctionType) -> Callable[..., Any]:
         """Runners, splitting pieces and the split module's forward from a whole-model artifact."""
         start = time.perf_counter()
         graphs = {content: blob for content, blob in saved.graphs}
@@ -650,17 +737,17 @@ class PiecewiseBackend:
         splitting = {name for name, _ in saved.modules}
         self.order = [(n, n in splitting) for n in names]
         self.split_forward = forward
-        call = rebuild_call(saved.code, entry, forward)
+        call = rebuild_call(saved.code, traced_fn, forward)
         self.phases["rebuild_code"] = time.perf_counter() - loaded
         return call
 
     # -- the whole-model artifact --------------------------------------------------------------
     def save_artifact(
-        self, fingerprint: str, entry: types.FunctionType, code: types.CodeType, spec: CallSpec
+        self, fingerprint: str, traced_fn: types.FunctionType, code: types.CodeType, spec: CallSpec
     ) -> None:
         """After a trace: write the whole-model artifact and the fingerprint's pointer to it."""
-        store, split_gm = self.store, self.split_gm
-        if store is None or split_gm is None or self.cache_root is None:
+        entry, split_gm = self.entry, self.split_gm
+        if entry is None or split_gm is None or self.cache_root is None:
             return
         start = time.perf_counter()
         unsaved = [i.name for i in self.items if not i.is_splitting and not self._saved(i)]
@@ -669,7 +756,7 @@ class PiecewiseBackend:
             log.info("no whole-model artifact: %s", self.artifact_status)
             return
         try:
-            portable: PortableCode = capture_code(code, entry)
+            portable: PortableCode = capture_code(code, traced_fn)
             saved: ModelArtifact = model_artifact.make(
                 portable,
                 split_gm,
@@ -693,20 +780,20 @@ class PiecewiseBackend:
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return
         try:
-            store.write_model(blob)
-            model_artifact.write_pointer(self.cache_root, fingerprint, store.path)
+            entry.write_model(blob)
+            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path)
         except OSError as e:  # the model runs; the next process traces again
             self.artifact_status = f"not written: {e.strerror}"
-            warn_write_failed(store.path, e)
+            warn_write_failed(entry.path, e)
         else:
             self.artifact_status = "written"
         self.phases["whole_model_artifact"] = time.perf_counter() - start
 
     def _saved(self, item: SplitItem) -> bool:
         record = self.records.get(item.name)
-        if record is None or self.store is None:
+        if record is None or self.entry is None:
             return False
-        entries = self.store.index.entries
+        entries = self.entry.index.entries
         return all(
             (key, item.index, self.compiler.name) in entries
             for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
@@ -756,9 +843,9 @@ class PiecewiseBackend:
         return tuple(out)
 
     @property
-    def store(self) -> CacheEntry | None:
+    def entry(self) -> CacheEntry | None:
         """The cache entry in use; None when the cache is off or stepped aside for this model."""
-        return self.artifact_cache.store
+        return self.artifact_cache.entry
 
     @property
     def loaded(self) -> int:

@@ -27,8 +27,8 @@ import torch.fx
 
 from tessera import _compat, counters, piece_file
 from tessera.cache import liveness
+from tessera.cache.entry import atomic_write, warn_write_failed
 from tessera.cache.key import KeyRecord, machine_factors, machine_key
-from tessera.cache.store import atomic_write, warn_write_failed
 from tessera.compile_worker import CACHE_ENV, JobDone, PieceJob, TensorSpec
 from tessera.config import CompileConfig, Size
 from tessera.errors import ArtifactDamaged, CompilerError, ConfigError

@@ -102,8 +102,8 @@ class GraphCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from tessera.backend import PiecewiseBackend
+        from tessera.cache.entry import cache_root
         from tessera.cache.remote import remote_tier
-        from tessera.cache.store import cache_root
         from tessera.compilers import make_compiler, stock_backend
 
         reason, source, graph_break = _compat.graph_compile_reason(gm)
@@ -121,9 +121,12 @@ class GraphCompiler:
         config = self._config_for(gm, example_inputs).replace(background_compile=False)
         root = None if config.disable_cache else cache_root(config.cache_dir)
         remote = remote_tier(config.cache_remote) if root is not None else None
-        backend = PiecewiseBackend(config, make_compiler(config.backend), root, self.prefix, remote)
         with torch.no_grad():  # nothing requires grad: the graph is an inference graph
-            compiled = backend(gm, example_inputs)
+            backend = PiecewiseBackend.from_trace(
+                gm, example_inputs, config, make_compiler(config.backend), root, self.prefix, remote=remote
+            )
+        assert backend.split_forward is not None
+        compiled = backend.split_forward
         with _lock:
             record = GraphReport(
                 index=len(_graphs),
@@ -132,7 +135,7 @@ class GraphCompiler:
                 graph_break=graph_break,
                 nodes=len(gm.graph.nodes),
                 pieces=len(backend.order),
-                cache_entry=str(backend.store.path) if backend.store is not None else None,
+                cache_entry=str(backend.entry.path) if backend.entry is not None else None,
             )
             _graphs.append(record)
         log.info(

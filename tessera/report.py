@@ -168,7 +168,7 @@ def build_report(
                 if label.endswith(TRACED_LABEL)
             )
     records = backend.pieces() if backend is not None else ()
-    store = backend.store if backend is not None else None
+    entry = backend.entry if backend is not None else None
     traced = any(name == "graphs_traced" and n for name, n in counters)
     compiled = any(a.source == "compiled" for a in artifacts)
     return CompileReport(
@@ -181,7 +181,7 @@ def build_report(
         pieces=len(records),
         compiled_pieces=sum(not r.is_splitting for r in records),
         counters=counters,
-        cache_entry=str(store.path) if store is not None else None,
+        cache_entry=str(entry.path) if entry is not None else None,
         whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
         total_seconds=total_seconds,
         background=backend.background_status if backend is not None else "none",
@@ -230,7 +230,7 @@ def merge_graph_reports(
 
 def save_report(entry: Path, kind: str, as_json: str) -> None:
     """Keep the record in the cache entry for ``tessera report`` (best effort: never fails)."""
-    from tessera.cache.store import atomic_write
+    from tessera.cache.entry import atomic_write
 
     try:
         atomic_write(entry / f"report-{kind}.json", as_json.encode())

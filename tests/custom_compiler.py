@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tessera.cache.store import atomic_write
+from tessera.cache.entry import atomic_write
 
 
 class CountingCompiler:

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from tessera.cache.store import CacheEntry, atomic_write
+from tessera.cache.entry import CacheEntry, atomic_write
 
 CONTENT = b"written by a live process\n"
 

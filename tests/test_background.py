@@ -217,4 +217,5 @@ def test_pieces_serve_as_traced_only_without_a_remote_tier():
     config = tessera.CompileConfig(backend="inductor", background_compile=True)
     alone = PiecewiseBackend(config, make_compiler("inductor"), None, "m", serve_traced=True)
     fleet = PiecewiseBackend(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
+    assert alone.entry is None and alone.artifact_cache.entry is None
     assert alone._serves_traced() and not fleet._serves_traced()

@@ -19,8 +19,8 @@ import torch
 
 import tessera
 from tessera.cache import tools
+from tessera.cache.entry import GRAPH, INDEX, CacheDamagedWarning, CacheEntry
 from tessera.cache.explain import explain
-from tessera.cache.store import GRAPH, INDEX, CacheDamagedWarning, CacheEntry
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheWarning
 from tessera.models import toy_llama
@@ -207,7 +207,7 @@ def test_damaged_warm_pointer_is_reported_and_rebuilt():
 
 def test_a_file_the_index_does_not_vouch_for_yet_is_not_damage(tmp_path):
     """Another process may be creating the entry: its not-yet-written files are no damage."""
-    from tessera.cache.store import GRAPH, CacheEntry
+    from tessera.cache.entry import GRAPH, CacheEntry
 
     root, factors = tmp_path / "root", {"factor": 1}
     path = CacheEntry.create(root, "model", factors, "graph v1", []).path
@@ -226,18 +226,18 @@ def test_a_file_the_index_does_not_vouch_for_yet_is_not_damage(tmp_path):
 
 
 def _count_index_writes(monkeypatch) -> list[Path]:
-    """Every write of an entry's index file from now on (all go through store.atomic_write)."""
-    from tessera.cache import store
+    """Every write of an entry's index file from now on (all go through entry.atomic_write)."""
+    from tessera.cache import entry
 
     writes: list[Path] = []
-    real = store.atomic_write
+    real = entry.atomic_write
 
     def counting(path: Path, data: bytes) -> None:
         if path.name == INDEX:
             writes.append(path)
         real(path, data)
 
-    monkeypatch.setattr(store, "atomic_write", counting)
+    monkeypatch.setattr(entry, "atomic_write", counting)
     return writes
 
 
@@ -334,7 +334,7 @@ def test_making_an_entry_prune_is_removing_waits_then_starts_afresh(tmp_path, mo
     """A process creating the entry the pruner is removing waits for the removal to finish, then
     makes the entry again: what it writes lands in the cache, not in the pruner's trash."""
     root, factors = tmp_path / "cache", {"factor": 1}
-    made = "from pathlib import Path; from tessera.cache.store import CacheEntry; "
+    made = "from pathlib import Path; from tessera.cache.entry import CacheEntry; "
     made += f"CacheEntry.create(Path({str(root)!r}), 'model', {factors!r}, 'graph', [])"
     # The entry, made by a process that is gone (one of ours would keep it in use).
     subprocess.run([sys.executable, "-c", made], env=child_env(root), cwd=ROOT, check=True)

@@ -13,7 +13,7 @@ import tessera
 from tessera import backend as backend_module
 from tessera import errors
 from tessera.cache import index
-from tessera.cache.store import INDEX, CacheDamagedWarning
+from tessera.cache.entry import INDEX, CacheDamagedWarning
 from tessera.models import toy_llama
 from tests.custom_compiler import SavingCompiler
 

@@ -27,9 +27,9 @@ import torch
 import tessera
 from tessera.cache.archive import export, import_
 from tessera.cache.blobstore import RedisStore
+from tessera.cache.entry import CacheEntry
 from tessera.cache.index import parse
 from tessera.cache.remote import RemoteTier
-from tessera.cache.store import CacheEntry
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
 
@@ -551,7 +551,7 @@ def test_export_then_import_into_another_root_starts_warm(tmp_path):
         compiled(*toy_llama.example_inputs(5))
     archive = tmp_path / "image.tar"
     assert export(source, archive, prefixes=["backbone"]) == 1
-    full_key = compiled._backend.store.key
+    full_key = compiled._backend.entry.key
     assert len(full_key) > 10 and export(source, tmp_path / "by-key.tar", keys=[full_key]) == 1
     assert export(source, tmp_path / "none.tar", keys=["f" * 64 if full_key[0] != "f" else "0" * 64]) == 0
     target = tmp_path / "elsewhere" / "root"
@@ -587,9 +587,9 @@ def test_import_refuses_paths_outside_the_root_and_damaged_entries(tmp_path):
 
 def test_taking_from_a_sibling_rank_skips_files_that_are_gone(tmp_path):
     """A sibling entry pruned midway: what is still there is taken, the rest left to compile."""
+    from tessera.cache.entry import FACTORS, INDEX
     from tessera.cache.index import ArtifactRecord, Index
     from tessera.cache.sharing import _take_from_siblings
-    from tessera.cache.store import FACTORS, INDEX
 
     ours, sibling = tmp_path / "key" / "rank_0_0" / "p", tmp_path / "key" / "rank_1_0" / "p"
     for entry in (ours, sibling):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tessera
+from tessera.cache.entry import FACTORS, CacheEntry
 from tessera.cache.explain import explain
 from tessera.cache.key import KeyRecord, fingerprint_record, machine_key
-from tessera.cache.store import FACTORS, CacheEntry
 from tessera.compilers import EagerCompiler, InductorCompiler
 from tessera.config import CompileConfig
 from tessera.models import toy_llama

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.cache.store import MODEL, CacheDamagedWarning
+from tessera.cache.entry import MODEL, CacheDamagedWarning
 from tessera.cache.tools import clear, find_entries, prune, stray_temp_files, verify
 from tessera.call_check import InputMismatchError
 from tessera.errors import CacheWarning, TesseraWarning

@@ -14,7 +14,7 @@ import torch
 
 import tessera
 from tessera.cache import index
-from tessera.cache.store import INDEX
+from tessera.cache.entry import INDEX
 from tessera.models import toy_llama
 from tests.child import ROOT, child_env, run_toy
 
@@ -94,7 +94,7 @@ def test_warm_start_with_the_eager_compiler_skips_dynamo():
 
 def test_identical_attention_layers_are_one_source_in_the_whole_model_artifact():
     from tessera.cache import artifact
-    from tessera.cache.store import CacheEntry
+    from tessera.cache.entry import CacheEntry
 
     model = toy_llama.build(num_layers=4)
     cold = _compile_and_check(model)

@@ -18,8 +18,8 @@ from pathlib import Path, PurePosixPath
 
 from tessera.cache import liveness, trust
 from tessera.cache.artifact import WARM_DIR
+from tessera.cache.entry import atomic_write
 from tessera.cache.liveness import INUSE, WRITERS
-from tessera.cache.store import atomic_write
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheError
 

@@ -37,8 +37,8 @@ import torch.fx
 
 from tessera import _compat
 from tessera._compat import op_schema_name, overload_of, packet_name
+from tessera.cache.entry import MODEL, atomic_write, report_damage, sha256_file
 from tessera.cache.key import SourceFile
-from tessera.cache.store import MODEL, atomic_write, report_damage, sha256_file
 from tessera.call_check import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord

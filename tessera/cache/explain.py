@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tessera.cache.entry import FACTORS
 from tessera.cache.key import KeyRecord, entry_key
-from tessera.cache.store import FACTORS
 from tessera.cache.tools import entry_info, find_entries
 
 

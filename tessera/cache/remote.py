@@ -32,8 +32,8 @@ import filelock
 
 from tessera.cache import trust
 from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, store_errors, warn_fault
+from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
-from tessera.cache.store import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -389,15 +389,15 @@ def _model_record(value: Any) -> FileRecord | None:
     return FileRecord(MODEL, sha, size)
 
 
-def publish(remote: RemoteTier, root: Path, fingerprint: str, store: Any) -> None:
+def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any) -> None:
     """After a trace: publish the pointer from ``fingerprint`` to the entry, with the whole-model
     artifact; and the entry itself, unless it is in the store already (its lease holder published
     it before letting go, or this process fetched it): one manifest per compile, not two."""
-    key, prefix = store.key, store.path.name
-    if not remote.holds(key, prefix) and not remote.publish(store.path, key, prefix):
+    key, prefix = entry.key, entry.path.name
+    if not remote.holds(key, prefix) and not remote.publish(entry.path, key, prefix):
         return
-    relative = store.path.relative_to(root).as_posix()
-    remote.publish_pointer(fingerprint, store.path, relative, key, prefix)
+    relative = entry.path.relative_to(root).as_posix()
+    remote.publish_pointer(fingerprint, entry.path, relative, key, prefix)
 
 
 def remote_tier(url: str | None) -> RemoteTier | None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from tessera.cache import liveness, trust
 from tessera.cache.artifact import PATHS, WARM_DIR
+from tessera.cache.entry import FACTORS, INDEX, check_file, read_index
 from tessera.cache.index import FileRecord
 from tessera.cache.liveness import INUSE, TOKEN, exclusive_if_unused
-from tessera.cache.store import FACTORS, INDEX, check_file, read_index
 
 log = logging.getLogger(__name__)
 

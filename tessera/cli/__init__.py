@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "cache":
         return cache_command(args)
     if args.command == "report":
-        from tessera.cache.store import cache_root
+        from tessera.cache.entry import cache_root
         from tessera.cli.report import report_command
 
         return report_command(args.target, cache_root(args.root), args.json)
@@ -107,7 +107,7 @@ def cache_command(args: argparse.Namespace) -> int:
 
     from tessera.cache import explain as cache_explain
     from tessera.cache import tools as cachetools
-    from tessera.cache.store import cache_root
+    from tessera.cache.entry import cache_root
 
     root = cache_root(args.root)
     action = args.cache_command
