@@ -96,26 +96,18 @@ class _Sent:
     waiting: int = 0  # jobs sent whose reply is not in yet
 
 
+@dataclasses.dataclass
 class GraphReceiver:
     """What Dynamo calls with the traced graph (the backend it is given): builds the model's
     ``PiecewiseBackend`` from that graph, whole (``PiecewiseBackend.from_trace``), once."""
 
-    def __init__(
-        self,
-        config: CompileConfig,
-        compiler: Compiler,
-        cache_root: Path | None,
-        prefix: str,
-        remote: RemoteTier | None = None,
-        serve_traced: bool = False,
-    ) -> None:
-        self.config = config
-        self.compiler = compiler
-        self.cache_root = cache_root
-        self.prefix = prefix
-        self.remote = remote
-        self.serve_traced = serve_traced
-        self.backend: PiecewiseBackend | None = None  # None until Dynamo has called
+    config: CompileConfig
+    compiler: Compiler
+    cache_root: Path | None
+    prefix: str
+    remote: RemoteTier | None = None
+    serve_traced: bool = False
+    backend: PiecewiseBackend | None = None  # None until Dynamo has called
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         backend = PiecewiseBackend.from_trace(

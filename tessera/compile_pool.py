@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -26,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tessera.compile_worker import JobDone, JobFailed, PieceJob, read_message, write_message
+from tessera.compile_worker import READY, JobDone, JobFailed, PieceJob, read_message, write_message
 
 log = logging.getLogger(__name__)
 
 MAX_WORKERS = 8
+# How long a new worker may take to import torch and Inductor before it is given up on.
+START_SECONDS = 180.0
 
 
 def default_count() -> int:
@@ -57,6 +60,7 @@ class _Worker(threading.Thread):
         super().__init__(name=f"tessera-compile-worker-{number}", daemon=True)
         self.pool = pool
         self.process: subprocess.Popen[bytes] | None = None
+        self.ready = False  # the process said READY
         self.start_process()
 
     def start_process(self) -> None:
@@ -70,6 +74,22 @@ class _Worker(threading.Thread):
         except OSError as e:
             log.warning("cannot start a compile worker (%s); compiling in this process", e)
             self.process = None
+        self.ready = False
+
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> str | None:
+        """None once the worker said READY; else why not (it is then stopped)."""
+        stdout = process.stdout
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], START_SECONDS)
+        said = read_message(stdout) if readable else None
+        if said == READY:
+            self.ready = True
+            return None
+        process.kill()
+        process.wait()
+        if not readable:
+            return f"compile worker {process.pid} did not start within {START_SECONDS:.0f}s"
+        return f"compile worker {process.pid} did not start (exit status {process.returncode})"
 
     def run(self) -> None:
         while True:
@@ -82,6 +102,10 @@ class _Worker(threading.Thread):
         process = self.process
         if process is None:
             return JobFailed("no compile worker could be started")
+        if not self.ready:
+            problem = self._wait_ready(process)
+            if problem is not None:
+                return JobFailed(problem)
         stdin: IO[bytes] | None = process.stdin
         stdout: IO[bytes] | None = process.stdout
         assert stdin is not None and stdout is not None
@@ -151,6 +175,9 @@ def _worker_env(count: int) -> dict[str, str]:
 
 _pools: dict[str, CompilePool] = {}  # the one pool of this process, under "shared"
 _pool_lock = threading.Lock()
+# A forked child (a server's preloaded workers) has the parent's pool object but none of its
+# threads: it starts a pool of its own when it needs one.
+os.register_at_fork(after_in_child=_pools.clear)
 
 
 def shared_pool(count: int) -> CompilePool | None:

@@ -27,6 +27,9 @@ import torch
 # of the job (a test, or a caller, may point it elsewhere after the worker started).
 CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 _HEADER = struct.Struct(">Q")
+# The worker's first message, once it has imported what a compile needs: the parent knows it
+# started a working worker (not, say, an embedding server's binary that sys.executable names).
+READY = "tessera compile worker ready"
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def main() -> None:
     from tessera import _compat
 
     _compat.preload_inductor()
+    write_message(results, pickle.dumps(READY))
     while True:
         job = read_message(jobs)
         if job is None:

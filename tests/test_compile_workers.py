@@ -248,3 +248,33 @@ def test_inductor_with_a_worker_equals_eager_and_the_next_start_loads_every_size
     assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts
     assert warm.report.kind == "warm"
     assert len(_artifacts(warm, "size 8")) == sum(not p.is_splitting for p in warm.pieces)
+
+
+def test_a_worker_that_does_not_start_fails_its_job_instead_of_hanging(monkeypatch):
+    # Embedded interpreters (a server's binary as sys.executable) start no Python: the job fails,
+    # and the caller compiles the piece itself.
+    monkeypatch.setattr("sys.executable", "/bin/true")
+    pool = CompilePool(1)
+    try:
+        graph, _ = _piece()
+        job = PieceJob(graph, (), tessera.CompileConfig(), 8, "x", "", None)
+        replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        assert pool.submit(job, "tag", replies)
+        reply = replies.get(timeout=60)
+        assert isinstance(reply.result, JobFailed) and "did not start" in reply.result.error
+    finally:
+        pool.stop()
+
+
+def test_a_forked_child_starts_its_own_pool(monkeypatch):
+    import os
+
+    from tessera import compile_pool
+
+    monkeypatch.setitem(compile_pool._pools, "shared", object())  # type: ignore[arg-type]
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool has no threads here, so it must be forgotten
+        os._exit(0 if "shared" not in compile_pool._pools else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert "shared" in compile_pool._pools  # the parent keeps its own
