@@ -148,6 +148,7 @@ def split_graph(
     in-place mutation.
     """
     matches = specs if isinstance(specs, SplitMatcher) else SplitMatcher(specs)
+    _getitems_beside_their_source(gm)
     piece_of: dict[torch.fx.Node, int] = {}
     splitting_ids: set[int] = set()
     current = 0
@@ -188,6 +189,39 @@ def split_graph(
         assert isinstance(module, torch.fx.GraphModule), f"{name} is not a GraphModule"
         items.append(SplitItem(name, index, piece_id in splitting_ids, module))
     return split_gm, items
+
+
+def _getitems_beside_their_source(gm: torch.fx.GraphModule) -> None:
+    """Move each ``getitem`` on a node's result to just after that node (and its earlier getitems).
+
+    A getitem is computed in its source's piece (split_graph), so one that comes after a cut would
+    put an earlier piece after a later one, and ``split_module`` refuses that in a graph that enters
+    autocast or sets grad mode ("require monotonically increasing partitions"): transformers 4.x
+    disables autocast in Llama's rotary embedding, and slices its causal mask in every layer. Moving
+    a getitem to where its piece computes it anyway changes no value; one whose index reads a node
+    made after its source stays where it is.
+    """
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    last_of: dict[torch.fx.Node, torch.fx.Node] = {}  # source -> the node a next getitem goes after
+    moved = False
+    for node in list(gm.graph.nodes):
+        source = node.args[0] if node.args else None
+        if not (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and isinstance(source, torch.fx.Node)
+            and source.op != "placeholder"
+            and all(position[n] < position[source] for n in node.all_input_nodes if n is not source)
+        ):
+            continue
+        anchor = last_of.get(source, source)
+        if anchor.next is not node:
+            anchor.append(node)
+            position[node] = position[source]  # a node made after it is still after it
+            moved = True
+        last_of[source] = node
+    if moved:
+        gm.recompile()
 
 
 def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
