@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, counters, dynamo_guards, hooks, validation
-from tessera.backend import COMPILE_LOCK, GraphReceiver, PiecewiseBackend
+from tessera.backend import GraphReceiver, PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.key import fingerprint_record
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
+from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import (
@@ -746,6 +747,8 @@ class CompiledModel:
                 report = self._make_report()  # the record with every size, for `tessera report`
                 save_report(self.cache_dir, report.kind, json.dumps(report.as_dict(), indent=1))
 
+        if not backend.ready.is_set():
+            backend.artifact_status = "to be written once every size is compiled"
         backend.start_background(save)
         return trace.output
 

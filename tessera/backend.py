@@ -45,6 +45,7 @@ from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.call_check import CallSpec
 from tessera.compile_pool import CompilePool, Reply, default_count, shared_pool
+from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compile_worker import JobDone, JobFailed
 from tessera.compilers import (
     Compiler,
@@ -74,10 +75,6 @@ from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_cal
 
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
-
-# Held by every compile of this process (a trace, a background compile): Inductor and Dynamo keep
-# global state (config patches, caches) that two compiles at once in one process would share.
-COMPILE_LOCK = threading.RLock()
 
 
 @dataclasses.dataclass
@@ -152,9 +149,12 @@ class PiecewiseBackend:
         serve_traced: bool = False,
         sources: Sequence[SourceFile] = (),
         phases: dict[str, float] | None = None,
+        state: CompileState | None = None,
     ) -> None:
-        """``entry``: the cache entry artifacts are read from and recorded in (None: no cache)."""
+        """``entry``: the cache entry artifacts are read from and recorded in (None: no cache);
+        ``state``: the traced call's state, which every compile of this model runs under."""
         self.config = config
+        self.state = state if state is not None else CompileState.current()
         self.remote = remote  # the fleet's shared store behind the local cache (cache/remote.py)
         self.compiler = compiler
         self.cache_root = cache_root
@@ -248,6 +248,7 @@ class PiecewiseBackend:
             remote=remote,
             serve_traced=serve_traced,
             sources=sources,
+            state=CompileState.current(),  # Dynamo calls us in the traced call's thread
         )
         _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
         if backend.dumps is not None:
@@ -419,6 +420,9 @@ class PiecewiseBackend:
                 then()
             return
         self.background_status = "running"
+        # A compile in another thread must not make this process's other torch.compile'd
+        # functions think they are being FX-traced (torch 2.11-2.13, see _compat).
+        _compat.isolate_fx_tracing_flag()
         thread = threading.Thread(
             target=self._compile_later, args=(then,), name=f"tessera-compile-{self.prefix}", daemon=False
         )
@@ -428,7 +432,9 @@ class PiecewiseBackend:
     def _compile_later(self, then: Callable[[], None] | None) -> None:
         start = time.perf_counter()
         try:
-            self._compile_rest()
+            # This thread started with grad enabled and no autocast: compile as the trace was made.
+            with self.state.applied():
+                self._compile_rest()
             with COMPILE_LOCK:
                 self.artifact_cache.flush()  # the background's artifacts in the index, in one write
                 # Every size is in place: said before `then` writes the report that tells it.
@@ -531,6 +537,8 @@ class PiecewiseBackend:
             job = self.compiler.job(
                 item.graph, inputs, self.config, size, self.artifact_cache.scratch_name(size, item.index)
             )
+        if job is not None:
+            job = dataclasses.replace(job, state=self.state)
         if job is None or not sent.pool.submit(job, (item, size, key, time.perf_counter()), sent.replies):
             return False
         sent.leaders[key] = (item, fake_args, real_args, content)

@@ -59,6 +59,7 @@ class PieceJob:
     machine_record: str | None
     roots: tuple[str, ...] = ()  # the parent's cache roots: the worker's writer lock goes there
     env: dict[str, str] = field(default_factory=dict)
+    state: Any = None  # the traced call's CompileState: the compile runs under it (None: as is)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ def example_inputs(specs: tuple[Any, ...]) -> list[Any]:
 
 def run(job: PieceJob) -> JobDone:
     """Compile ``job`` as the parent would have, into the entry's directory."""
+    import contextlib
     from pathlib import Path
 
     from tessera import counters
@@ -123,7 +125,8 @@ def run(job: PieceJob) -> JobDone:
     compiler = InductorCompiler()
     compiler.initialize_cache(Path(job.cache_dir))
     compiler.machine_record = Path(job.machine_record) if job.machine_record else None
-    _, handle = compiler.compile(job.graph, example_inputs(job.inputs), job.config, job.size, job.key)
+    with job.state.applied() if job.state is not None else contextlib.nullcontext():
+        _, handle = compiler.compile(job.graph, example_inputs(job.inputs), job.config, job.size, job.key)
     after = counters.snapshot()
     counts = {name: after[name] - before[name] for name in after if after[name] != before[name]}
     return JobDone(handle, time.perf_counter() - start, counts, os.getpid())

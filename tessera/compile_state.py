@@ -1,0 +1,90 @@
+"""What a compile runs under: the traced call's state, in whichever thread or process compiles,
+and the one lock every compile of the process holds (``COMPILE_LOCK``).
+
+Grad mode and autocast are thread-local: a background thread starts with grad enabled and no
+autocast, so a piece compiled there without this record would be compiled for autograd (saving
+tensors for backward: slower, and unusable under ``inference_mode``) or without the call's autocast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterator
+from types import TracebackType
+
+import torch
+
+from tessera import _compat
+from tessera._compat import AUTOCAST_DEVICES
+
+log = logging.getLogger(__name__)
+
+
+class _CompileLock:
+    """Held by every compile of this process (a trace, a background compile, a worker's result).
+
+    It is Dynamo's own compile lock: Inductor and Dynamo keep process-wide state (config patches,
+    the cache-artifact recorder a standalone compile saves from, tracing contexts), so a compile of
+    ours must not overlap any other compile in the process: the user's ``torch.compile``, another
+    tessera model's trace. Dynamo holds this lock while it traces a frame and calls the backend,
+    so taking it (and not a lock of our own beside it) also keeps one lock order: a lock of ours
+    taken first in a background thread and Dynamo's taken first by a trace deadlocked.
+    """
+
+    def __enter__(self) -> None:
+        _compat.dynamo_compile_lock().acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        _compat.dynamo_compile_lock().release()
+
+
+COMPILE_LOCK = _CompileLock()
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileState:
+    """What a traced call's compile depends on beyond its graph and inputs.
+
+    Grad mode is not recorded: tessera compiles inference graphs, so every compile runs under
+    ``torch.no_grad()`` (the trace itself runs under no_grad or inference_mode, see api.py).
+    """
+
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) for each autocast on
+    default_dtype: torch.dtype
+
+    @classmethod
+    def current(cls) -> CompileState:
+        """The calling thread's state (taken where the trace runs)."""
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device))
+            for device in AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        )
+        return cls(autocast, torch.get_default_dtype())
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        """Run a compile under this state, in any thread: no grad, this autocast, this dtype."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            for device in AUTOCAST_DEVICES:
+                if torch.is_autocast_enabled(device) and device not in dict(self.autocast):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            for device, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            default = torch.get_default_dtype()
+            if default != self.default_dtype:
+                # The default dtype is process-wide, not per thread: set for this compile only,
+                # and said, since code running meanwhile in another thread sees it too.
+                log.info(
+                    "compiling under the traced default dtype %s (the process has %s now)",
+                    self.default_dtype,
+                    default,
+                )
+                torch.set_default_dtype(self.default_dtype)
+                stack.callback(torch.set_default_dtype, default)
+            yield
