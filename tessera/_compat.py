@@ -62,6 +62,84 @@ def dynamo() -> types.ModuleType:
     return torch._dynamo
 
 
+# Used when Dynamo has no compile lock of its own (none of 2.11-2.15): compiles still serialise.
+_FALLBACK_COMPILE_LOCK = threading.RLock()
+
+
+@functools.cache
+def dynamo_compile_lock() -> Any:
+    """Dynamo's process-wide compile lock (an RLock), held while it converts a frame and runs the
+    backend: ``torch._dynamo.convert_frame.compile_lock`` (torch 2.11-2.15; Inductor's backward
+    compile takes it too). No public API; tessera's compiles take it so that no two compiles of a
+    process overlap (see compile_state.COMPILE_LOCK). Imports Dynamo: call it on compile paths only.
+    """
+    from torch._dynamo import convert_frame
+
+    return getattr(convert_frame, "compile_lock", _FALLBACK_COMPILE_LOCK)
+
+
+_FX_TRACING_HERE = threading.local()  # per thread: how deep in torch.fx's Tracer.trace it is
+
+
+def _tracing_in_this_thread() -> bool:
+    return getattr(_FX_TRACING_HERE, "depth", 0) > 0
+
+
+@functools.cache
+def isolate_fx_tracing_flag() -> None:
+    """Make torch.fx's "an FX trace is running" flag answer for the calling thread only.
+
+    Reason: on torch 2.11-2.13 ``torch.fx._symbolic_trace._is_fx_tracing_flag`` is one process-wide
+    bool set by ``Tracer.trace``, which every compile runs (AOTAutograd's make_fx). While a
+    background compile traces, a call in another thread of any ``torch.compile``'d function reads
+    it and raises "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function" (pytorch/pytorch#126024). torch 2.14 made the flag thread-local
+    (pytorch/pytorch#168999); there this does nothing. On older torch, ``Tracer.trace`` counts its
+    depth per thread, and the flag's two readers (``is_fx_tracing``, ``is_fx_symbolic_tracing``)
+    are given code that also asks that count. Their code objects are replaced, not the functions:
+    Dynamo keys tables on these function objects, and ``torch.compile`` wrappers made before
+    this ran hold them. Remove when 2.13 leaves the supported range.
+    """
+    module = sys.modules.get("torch.fx._symbolic_trace")
+    if module is None or not hasattr(module, "_is_fx_tracing_flag") or hasattr(module, "_is_fx_tracing_tls"):
+        return
+    tracer = module.Tracer
+    original = tracer.trace
+    if getattr(original, "_tessera_counts_depth", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_FX_TRACING_HERE, "depth", 0)
+        _FX_TRACING_HERE.depth = depth + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _FX_TRACING_HERE.depth = depth
+
+    trace._tessera_counts_depth = True  # type: ignore[attr-defined]
+    tracer.trace = trace
+    # The readers' new code runs in torch.fx._symbolic_trace's globals: the one name it adds there.
+    module.__dict__["_tessera_tracing_in_this_thread"] = _tracing_in_this_thread
+
+    def is_fx_tracing() -> bool:
+        is_fx_tracing_warning()  # type: ignore[name-defined]  # noqa: F821  (a name of that module)
+        return bool(
+            _is_fx_tracing_flag  # type: ignore[name-defined]  # noqa: F821
+            and _tessera_tracing_in_this_thread()  # type: ignore[name-defined]  # noqa: F821
+        )
+
+    def is_fx_symbolic_tracing() -> bool:
+        return bool(
+            _is_fx_tracing_flag  # type: ignore[name-defined]  # noqa: F821
+            and _tessera_tracing_in_this_thread()  # type: ignore[name-defined]  # noqa: F821
+            and not torch.compiler.is_compiling()
+        )
+
+    module.is_fx_tracing.__code__ = is_fx_tracing.__code__
+    module.is_fx_symbolic_tracing.__code__ = is_fx_symbolic_tracing.__code__
+
+
 def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None]) -> Any:
     """Call ``hook(original, transformed)`` for every frame Dynamo converts; returns a handle.
 
