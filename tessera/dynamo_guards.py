@@ -71,9 +71,11 @@ DROPPED: dict[tuple[str, str], str] = {
 # source files are in the cache key; they do not change between calls of one process. Their plain
 # values (a module-level float) and tensors are kept.
 _GLOBAL_VALUE_KINDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH"})
-# A module-level value reached by plain attributes (``G['__import_m'].SCALE``, a function's
-# ``__defaults__[0]``): kept. Registries read through calls and closures are not.
-_PLAIN_GLOBAL = re.compile(r"^G\['[^']+'\](\.\w+)+(\[\d+\])?$")
+# A module-level value reached by plain steps, attributes and constant indexes or keys
+# (``G['__import_m'].SCALE``, ``.CFG['k']``, a function's ``__defaults__[0]``, a nested function's
+# ``__closure__[0].cell_contents``): kept, as a script may set it otherwise in its next process
+# (from the environment) with the same source. Registries read through calls are not.
+_PLAIN_GLOBAL = re.compile(r"^G\['[^']+'\]\.\w+(\.\w+|\[\d+\]|\['[\w.-]*'\])*$")
 _GLOBAL_REASON = "module-level code, classes, modules and registries: imports, in the cache key"
 # Expressions through a class's internals (``dict(type(x).__mro__[1].__dict__)``): the type itself
 # is checked; reading them per call would copy a dict each time.
@@ -365,5 +367,6 @@ def readable(name: str, names: Mapping[str, str]) -> str:
         return names.get(root.group(1), root.group(1)) + name[root.end() :]
     text = name.replace("target.__self__", "model").replace("target.__func__", "function")
     text = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", text)
-    text = re.sub(r"G\['__import_([\w]+)'\]", lambda m: m.group(1).replace("_dot_", "."), text)
-    return re.sub(r"G\['([^']*)'\]", r"\1", text)
+    # G only as a name of its own: ``CFG['k']`` is no global of the frame.
+    text = re.sub(r"\bG\['__import_([\w]+)'\]", lambda m: m.group(1).replace("_dot_", "."), text)
+    return re.sub(r"\bG\['([^']*)'\]", r"\1", text)

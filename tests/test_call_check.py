@@ -186,6 +186,38 @@ def test_a_closure_float_and_a_config_value_held_by_the_module_are_checked():
     assert served_or_refused(compiled_model, model, x) == "refused"
 
 
+# Module-level values a forward reads through a dict key and a nested function's closure cell:
+# Dynamo bakes both into the graph, as a script setting them from its environment would.
+SETTINGS = {"k": 2.0}
+
+
+def _make_leaky(slope: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x, x * slope)
+
+    return leaky
+
+
+LEAKY = _make_leaky(0.1)
+
+
+def settled(x: torch.Tensor) -> torch.Tensor:
+    return LEAKY(x) * SETTINGS["k"]
+
+
+def test_module_level_dict_items_and_closure_cells_are_checked(monkeypatch):
+    compiled = compile_eager(settled)
+    x = torch.randn(6)
+    assert served_or_refused(compiled, settled, x) == "served"
+    monkeypatch.setitem(SETTINGS, "k", 3.0)
+    assert served_or_refused(compiled, settled, x) == "refused"
+    monkeypatch.setitem(SETTINGS, "k", 2.0)
+    monkeypatch.setattr(LEAKY.__closure__[0], "cell_contents", 0.3)  # type: ignore[index]
+    assert served_or_refused(compiled, settled, x) == "refused"
+    with pytest.raises(TesseraError, match=r"test_call_check\.LEAKY\.__closure__\[0\]\.cell_contents"):
+        compiled(x)
+
+
 def times(x: torch.Tensor, alpha: float) -> torch.Tensor:
     return x * alpha if not math.isnan(alpha) else x
 
