@@ -42,10 +42,12 @@ from tessera.cache.key import SourceFile
 from tessera.call_check import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
-from tessera.wrapper import PortableCode
+from tessera.wrapper import NotPortable, PortableCode, resolve_globals
 
 WARM_DIR = "warm"
-FORMAT = 7  # 7: the pickled CallSpec moved (tessera.guards -> tessera.call_check)
+# 8: PortableCode binds every global Dynamo installed (7 lost the alias of a script's __main__)
+# and records the names the code reads from each module; 7: the pickled CallSpec moved
+FORMAT = 8
 
 
 class WarmStartUnavailable(Exception):
@@ -261,6 +263,10 @@ def loads(data: bytes) -> ModelArtifact:
                 raise WarmStartUnavailable(f"{source.path} changed since the artifact was made")
         except OSError as e:
             raise WarmStartUnavailable(f"{source.path} is not readable") from e
+    try:
+        resolve_globals(artifact.code)  # bound again by the rebuild; checked before any kernel loads
+    except NotPortable as e:  # a name of the user's script this process does not define
+        raise WarmStartUnavailable(f"Dynamo's bytecode does not bind here: {e}") from e
     return artifact
 
 

@@ -41,9 +41,10 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
-# 7: the whole-model artifact moved to format 7 (old pointers are a clean miss, not a fallback);
-# 6: values of objects the model holds, the attention implementation; 5: the full call state
-FINGERPRINT_FORMAT = 7
+# 8 and 7: the whole-model artifact moved to formats 8 and 7 (old pointers are a clean miss, not a
+# fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
+# state
+FINGERPRINT_FORMAT = 8
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
