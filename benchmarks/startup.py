@@ -48,10 +48,21 @@ HF_SIZES: dict[str, Any] = {
 }
 MODELS = ("toy4", "toy16", "toy32", "hf_llama_prefill", "hf_qwen2_decode")
 IMPLS = ("eager", "tessera", "stock", "mega-save", "mega-load")
+# How the measured process calls the model: a frozen model under no_grad, or the parameters as
+# made (requiring grad) under inference_mode, as a server runs one.
+STATES = ("frozen_no_grad", "trainable_inference_mode")
+# A warm start from the whole-model artifact imports none of these (Dynamo's tracer, Inductor).
+WATCHED_MODULES = (
+    "torch._dynamo",
+    "torch._dynamo.symbolic_convert",
+    "torch._dynamo.convert_frame",
+    "torch._inductor",
+    "torch._inductor.compile_fx",
+)
 
 
 # -- the measured process ---------------------------------------------------------------------------
-def child(impl: str, model_name: str, mega: str | None) -> None:
+def child(impl: str, model_name: str, mega: str | None, state: str = STATES[0]) -> None:
     """Runs in the measured process: import, build, compile, first output, report times.
 
     Only the tessera runs import tessera's compile path; the eager baseline imports torch, the
@@ -60,6 +71,8 @@ def child(impl: str, model_name: str, mega: str | None) -> None:
     import torch
 
     model, call_args, call_kwargs, dynamic = _build(model_name)
+    if state == "trainable_inference_mode":
+        model.requires_grad_(True)  # parameters as a model makes them, before anyone freezes them
     gc.collect()  # the full collection that is due anyway, outside the comparison (module docstring)
     marks = {"built": time.time()}
     compiled: Any = model
@@ -81,7 +94,7 @@ def child(impl: str, model_name: str, mega: str | None) -> None:
                     torch._dynamo.mark_dynamic(value, value.dim() - 1)
         compiled = torch.compile(model, dynamic=None if dynamic else False)
     marks["compile_object"] = time.time()
-    with torch.no_grad():
+    with torch.inference_mode() if state == "trainable_inference_mode" else torch.no_grad():
         compiled(*call_args, **call_kwargs)
     marks["first_output"] = time.time()
     if impl == "mega-save" and mega:
@@ -95,7 +108,7 @@ def child(impl: str, model_name: str, mega: str | None) -> None:
         imports = marks["compile_object"] - marks["built"]
         report["phases"] = {"import_tessera": imports, **compiled.startup_phases}
     report["marks"] = marks
-    report["modules"] = {m: m in sys.modules for m in ("torch._dynamo", "torch._inductor")}
+    report["modules"] = {m: m in sys.modules for m in WATCHED_MODULES}
     print(json.dumps(report))
 
 
@@ -179,9 +192,11 @@ def _build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool]:
 
 
 # -- the driver -------------------------------------------------------------------------------------
-def _run(impl: str, model: str, env_dirs: dict[str, str], mega: str | None) -> dict[str, Any]:
+def _run(
+    impl: str, model: str, env_dirs: dict[str, str], mega: str | None, state: str = STATES[0]
+) -> dict[str, Any]:
     env = dict(os.environ, **env_dirs)
-    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", impl, "--model", model]
+    cmd = [sys.executable, "-m", "benchmarks.startup", "--child", impl, "--model", model, "--state", state]
     if mega:
         cmd += ["--mega", mega]
     start = time.time()
@@ -193,7 +208,7 @@ def _run(impl: str, model: str, env_dirs: dict[str, str], mega: str | None) -> d
     return report
 
 
-def measure(model: str, repeats: int) -> dict[str, Any]:
+def measure(model: str, repeats: int, state: str = STATES[0]) -> dict[str, Any]:
     """Medians over ``repeats`` fresh processes of each warm path, after one cold run of each."""
     seconds: dict[str, list[float]] = {}
     phases: list[dict[str, float]] = []
@@ -210,7 +225,7 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
             ("stock_cold", "stock", dirs("ind-stock")),
             ("megacache_save_cold", "mega-save", dirs("ind-mega-save")),
         ):
-            runs[name] = _run(impl, model, env, mega if impl == "mega-save" else None)
+            runs[name] = _run(impl, model, env, mega if impl == "mega-save" else None, state)
             seconds[name] = [runs[name]["seconds"]]
         for i in range(repeats):
             for name, impl, env in (
@@ -220,7 +235,7 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
                 ("stock_warm", "stock", dirs("ind-stock")),
                 ("megacache_warm", "mega-load", dirs(f"ind-mega-{i}")),
             ):
-                runs[name] = _run(impl, model, env, mega if impl == "mega-load" else None)
+                runs[name] = _run(impl, model, env, mega if impl == "mega-load" else None, state)
                 seconds.setdefault(name, []).append(runs[name]["seconds"])
                 if name == "tessera_warm":
                     phases.append(runs[name]["phases"])
@@ -231,6 +246,7 @@ def measure(model: str, repeats: int) -> dict[str, Any]:
     }
     return {
         "model": model,
+        "state": state,
         "seconds_median": medians,
         "seconds_all": seconds,
         "warm_overhead_seconds": overhead,
@@ -293,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-paths", action="store_true", help="also compare direct and Inductor loads")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--state", choices=STATES, default=STATES[0], help="how the model is called")
     parser.add_argument(
         "--cold-scaling",
         type=int,
@@ -303,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child, args.model, args.mega)
+        child(args.child, args.model, args.mega, args.state)
         return 0
     if args.child_load_paths:
         child_load_paths(args.child_load_paths)
@@ -316,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         "toy_width": TOY_WIDTH,
         "hf_sizes": HF_SIZES,
         "repeats": args.repeats,
-        "results": [measure(model, args.repeats) for model in args.models],
+        "state": args.state,
+        "results": [measure(model, args.repeats, args.state) for model in args.models],
     }
     if args.cold_scaling:
         result["cold_scaling"] = cold_scaling(args.cold_scaling, args.repeats)

@@ -1,16 +1,19 @@
 """Steady-state per-call latency: eager vs stock torch.compile vs tessera, same process, JSON out.
 
-Also the dispatch overhead of tessera with the ``eager`` compiler on a 12-layer tiny model.
+``python -m benchmarks.steady_state [--quick] [--sections defaults ...]``. Also the dispatch
+overhead of tessera with the ``eager`` compiler on a 12-layer tiny model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -173,19 +176,78 @@ def variants(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main(quick: bool = False) -> int:
-    repeats = 5 if quick else 15
-    torch.manual_seed(0)
-    result = {
-        **header("steady_state"),
-        "dispatch_overhead": dispatch_overhead(repeats),
-        "inductor": inductor_latency(repeats),
-        "variants": variants(repeats),
+def defaults(repeats: int) -> dict[str, Any]:
+    """tessera as a new user calls it: the default background compile, parameters as the model
+    made them (requiring grad), calls under ``torch.no_grad()``; against the same model compiled
+    up front (``background_compile=False``), stock ``torch.compile`` and eager, every size ready.
+
+    A background compile once ran with grad enabled (a new thread's default) and compiled the
+    pieces for autograd: this is the figure that shows it does not. Timed in interleaved rounds
+    (as ``variants``), each figure the median over the rounds.
+    """
+    model = toy_llama.build(**INDUCTOR_MODEL).requires_grad_(True)
+    options: dict[str, Any] = {"backend": "inductor", "compile_sizes": list(SIZES), "disable_cache": True}
+    default = tessera.compile(model, background_compile=True, **options)
+    up_front = tessera.compile(model, background_compile=False, **options)
+    stock = torch.compile(model, backend="inductor", dynamic=True)
+    fns: dict[str, Callable[..., Any]] = {
+        "eager": model,
+        "stock": stock,
+        "default": default,
+        "up_front": up_front,
     }
+    with torch.no_grad():
+        for fn in fns.values():
+            fn(*toy_llama.example_inputs(8))
+    assert default.wait_ready(1800), "the background compile did not finish"
+    background = default.report.background if default.report is not None else "none"
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for n in SIZES:
+                seconds = per_call_seconds(fn, *toy_llama.example_inputs(n), warmup=1, repeats=1)
+                samples.setdefault((name, n), []).append(seconds)
+    rows = []
+    for n in SIZES:
+        ms = {name: statistics.median(samples[(name, n)]) * 1e3 for name in fns}
+        rows.append(
+            {
+                "tokens": n,
+                **{f"{name}_ms": value for name, value in ms.items()},
+                "default_over_stock": ms["default"] / ms["stock"],
+                "default_over_up_front": ms["default"] / ms["up_front"],
+                "default_over_eager": ms["default"] / ms["eager"],
+            }
+        )
+    return {
+        "model": INDUCTOR_MODEL,
+        "parameters_require_grad": True,
+        "compile_sizes": list(SIZES),
+        "background": background,
+        "rows": rows,
+    }
+
+
+SECTIONS = {
+    "dispatch_overhead": dispatch_overhead,
+    "inductor": inductor_latency,
+    "variants": variants,
+    "defaults": defaults,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="5 rounds instead of 15")
+    parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
+    args = parser.parse_args(argv)
+    repeats = 5 if args.quick else 15
+    torch.manual_seed(0)
+    result = {**header("steady_state"), **{name: SECTIONS[name](repeats) for name in args.sections}}
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(quick="--quick" in sys.argv[1:]))
+    raise SystemExit(main())

@@ -191,7 +191,7 @@ def run_bench(quick: bool) -> int:
             file=sys.stderr,
         )
         return 2
-    return bench_main(quick=quick)
+    return bench_main(["--quick"] if quick else [])
 
 
 def stamp(seconds: float) -> str:
