@@ -219,3 +219,56 @@ def test_pieces_serve_as_traced_only_without_a_remote_tier():
     fleet = PiecewiseBackend(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
     assert alone.entry is None and alone.artifact_cache.entry is None
     assert alone._serves_traced() and not fleet._serves_traced()
+
+
+class StateRecorder:
+    """Runs graphs as Python, recording the state each compile ran under and in which thread."""
+
+    name = "state-recorder"
+    seen: ClassVar[list[dict[str, Any]]] = []
+
+    def compute_hash(self) -> str:
+        return "state-recorder-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        StateRecorder.seen.append(
+            {
+                "size": size,
+                "thread": threading.current_thread().name,
+                "grad": torch.is_grad_enabled(),
+                "autocast": torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+                "default_dtype": torch.get_default_dtype(),
+            }
+        )
+        return graph.forward, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        raise AssertionError("nothing is saved, so nothing is loaded")
+
+
+@pytest.mark.parametrize("grad_state", [torch.no_grad, torch.inference_mode])
+def test_the_background_compiles_under_the_traced_calls_state_not_the_threads(grad_state):
+    # A new thread starts with grad enabled and no autocast: compiling there as is would make
+    # autograd graphs of a model whose parameters require grad, and drop the call's autocast.
+    recorder = importlib.import_module("tests.test_background").StateRecorder
+    recorder.seen = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    assert all(p.requires_grad for p in model.parameters()), "the parameters as a model makes them"
+    compiled = tessera.compile(
+        model, backend="tests.test_background:StateRecorder", compile_sizes=[16], background_compile=True
+    )
+    x = torch.randn(8, 16)
+    with grad_state(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        assert compiled.wait_ready(60)
+        torch.testing.assert_close(out, model(x))
+        assert out.dtype == torch.bfloat16
+    background = [s for s in recorder.seen if s["thread"].startswith("tessera-compile")]
+    assert {s["size"] for s in background} == {None, 16}, recorder.seen
+    for state in recorder.seen:
+        assert state["grad"] is False and state["autocast"] == torch.bfloat16, state
+        assert state["default_dtype"] == torch.float32, state
