@@ -143,39 +143,41 @@ def split_graph(
     """Cut ``gm`` before and after every splitting-op node; return the split module and pieces.
 
     A ``getitem`` on a node's result stays in that node's piece so that no piece takes a whole
-    tuple as input. Splitting ops with nothing compiled between them share one splitting piece
-    (no empty piece between them). Original node order is kept: reordering breaks graphs with
-    in-place mutation.
+    tuple as input (``_keep_with_source``). Splitting ops with nothing compiled between them share
+    one splitting piece (no empty piece between them). Original node order is kept: reordering
+    breaks graphs with in-place mutation.
     """
     matches = specs if isinstance(specs, SplitMatcher) else SplitMatcher(specs)
-    _getitems_beside_their_source(gm)
     piece_of: dict[torch.fx.Node, int] = {}
+    last_of: dict[int, torch.fx.Node] = {}  # piece -> its last node so far
     splitting_ids: set[int] = set()
     current = 0
     after_split = False  # the last node placed (getitems aside) was a splitting op
-    for node in gm.graph.nodes:
+    moved = False
+    for node in list(gm.graph.nodes):
         if node.op in ("placeholder", "output"):
             continue
-        source = node.args[0] if node.args else None
-        if (
-            node.op == "call_function"
-            and node.target is operator.getitem
-            and isinstance(source, torch.fx.Node)
-            and source in piece_of
-        ):
-            piece_of[node] = piece_of[source]
-        elif matches(node):
+        source = _keep_with_source(node, piece_of)
+        if source is not None:
+            piece = piece_of[node] = piece_of[source]
+            if piece != current:
+                last_of[piece].append(node)
+                moved = True
+            last_of[piece] = node
+            continue
+        if matches(node):
             if not after_split:
                 current += 1
                 splitting_ids.add(current)
-            piece_of[node] = current
             after_split = True
-        else:
-            if after_split:
-                current += 1
-                after_split = False
-            piece_of[node] = current
+        elif after_split:
+            current += 1
+            after_split = False
+        piece_of[node] = current
+        last_of[current] = node
     log.debug("splitting graph: %d splitting node(s) found", len(splitting_ids))
+    if moved:
+        gm.recompile()
 
     split_gm = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True)  # type: ignore[arg-type]
     items = []
@@ -191,37 +193,27 @@ def split_graph(
     return split_gm, items
 
 
-def _getitems_beside_their_source(gm: torch.fx.GraphModule) -> None:
-    """Move each ``getitem`` on a node's result to just after that node (and its earlier getitems).
+def _keep_with_source(node: torch.fx.Node, piece_of: dict[torch.fx.Node, int]) -> torch.fx.Node | None:
+    """The node whose piece a ``getitem`` goes in (its source's), or None: not a getitem, a getitem
+    on an input, or one whose index reads a node of a later piece (then it is an ordinary node).
 
-    A getitem is computed in its source's piece (split_graph), so one that comes after a cut would
-    put an earlier piece after a later one, and ``split_module`` refuses that in a graph that enters
-    autocast or sets grad mode ("require monotonically increasing partitions"): transformers 4.x
-    disables autocast in Llama's rotary embedding, and slices its causal mask in every layer. Moving
-    a getitem to where its piece computes it anyway changes no value; one whose index reads a node
-    made after its source stays where it is.
+    A getitem that comes after a cut moves to the end of its source's piece, where that piece
+    computes it, so the pieces follow the graph's order: ``split_module`` requires it of a graph
+    that enters autocast or sets grad mode ("monotonically increasing partitions"), and
+    transformers 4.x disables autocast in its rotary embedding and slices the causal mask, made
+    before the first attention, in every layer.
     """
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    last_of: dict[torch.fx.Node, torch.fx.Node] = {}  # source -> the node a next getitem goes after
-    moved = False
-    for node in list(gm.graph.nodes):
-        source = node.args[0] if node.args else None
-        if not (
-            node.op == "call_function"
-            and node.target is operator.getitem
-            and isinstance(source, torch.fx.Node)
-            and source.op != "placeholder"
-            and all(position[n] < position[source] for n in node.all_input_nodes if n is not source)
-        ):
-            continue
-        anchor = last_of.get(source, source)
-        if anchor.next is not node:
-            anchor.append(node)
-            position[node] = position[source]  # a node made after it is still after it
-            moved = True
-        last_of[source] = node
-    if moved:
-        gm.recompile()
+    source = node.args[0] if node.args else None
+    if not (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(source, torch.fx.Node)
+        and source in piece_of
+    ):
+        return None
+    piece = piece_of[source]
+    later = [n for n in node.all_input_nodes if n is not source and piece_of.get(n, -1) > piece]
+    return None if later else source
 
 
 def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:

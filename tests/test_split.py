@@ -100,24 +100,29 @@ def test_getitem_stays_with_its_producer():
     torch.testing.assert_close(out, chunky(torch.ones(2, 4)))
 
 
-def test_a_slice_after_a_cut_of_a_tensor_made_before_it_splits_in_a_graph_with_autocast():
+def test_slices_after_a_cut_of_a_tensor_made_before_it_split_in_a_graph_with_autocast():
     """transformers 4.x: the rotary embedding disables autocast, and every layer slices the causal
-    mask made before the first attention; split_module refuses pieces out of order there."""
+    mask made before the first attention (in decode, up to a length computed in that layer);
+    split_module refuses pieces out of the graph's order there."""
 
-    def masked(x: torch.Tensor) -> torch.Tensor:
+    def masked(x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", enabled=False):
             scale = x.float().cos()
-        mask = x * 2  # made in piece 0
+        mask = torch.ones(2 * x.shape[0] + past.shape[0], 8) * x.sum()  # made in piece 0
         y = torch.ops.silly.attention(x, x, x)
-        y = y + mask[:, : x.shape[1] // 2].sum(-1, keepdim=True)  # sliced in piece 2
+        y = y + mask[: x.shape[0], :4].sum(-1, keepdim=True)  # sliced in piece 2: moves to piece 0
+        y = y + mask[: x.shape[0] + past.shape[0]].sum(0) + past.mean(0)  # a length made in piece 2
         y = torch.ops.silly.attention(y, y, y)
-        return y * scale + mask[:, :1]  # and in piece 4
+        return y * scale + mask[:1]
 
-    compiled = tessera.compile(masked, backend="eager", splitting_ops=["silly::attention"])
+    compiled = tessera.compile(
+        masked, backend="eager", splitting_ops=["silly::attention"], dynamic_dims={"x": 0, "past": 0}
+    )
     with tessera.counters.expect(graphs_traced=1, pieces=5):
         for n in (4, 6):
             x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
-            torch.testing.assert_close(compiled(x), masked(x))
+            past = torch.randn(n + 3, 8)
+            torch.testing.assert_close(compiled(x, past), masked(x, past))
 
 
 def test_unknown_splitting_op_spec_is_a_config_error():
