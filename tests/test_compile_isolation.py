@@ -7,12 +7,15 @@ tessera model) traces, and D (graph breaks: the guarded path) traces graph after
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
 import torch
 
 import tessera
+from tessera import _compat
+from tessera.compile_state import COMPILE_LOCK
 
 
 def _mlp(width: int) -> torch.nn.Module:
@@ -34,12 +37,15 @@ class _Breaks(torch.nn.Module):
 @pytest.mark.inductor
 def test_a_background_compile_beside_stock_torch_compile_and_other_tessera_models():
     torch.manual_seed(0)
-    models = [m.requires_grad_(False) for m in (_mlp(32), _mlp(64), _mlp(48), _Breaks())]
+    # Parameters as the models make them (requiring grad), called under no_grad as a server does:
+    # a background compile made with grad enabled compiled a backward graph, and that compile took
+    # Dynamo's lock while a model with graph breaks held it and waited for ours (a hang).
+    models = [_mlp(32), _mlp(64), _mlp(48), _Breaks()]
     background = {"backend": "inductor", "background_compile": True}
     a = tessera.compile(models[0], compile_sizes=[16, 32], compile_ranges=[8], **background)
     b = torch.compile(models[1], dynamic=True)
     c = tessera.compile(models[2], compile_sizes=[24], **background)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", tessera.TesseraWarning)  # D's graph break is said once
         d = tessera.compile(models[3], compile_sizes=[16], **background)
         for _ in range(3):
@@ -50,7 +56,65 @@ def test_a_background_compile_beside_stock_torch_compile_and_other_tessera_model
     assert a.wait_ready(600) and c.wait_ready(600) and d.wait_ready(600)
     for model in (a, c):
         assert model.report is not None and model.report.background == "done", model.report.background
-    for n in (16, 32, 7, 24, 40):  # every size in place: still eager's numbers
-        x = torch.randn(n, 16)
-        for compiled, eager in zip((a, b, c, d), models, strict=True):
-            torch.testing.assert_close(compiled(x), eager(x), msg=f"{n} rows, ready")
+    with torch.no_grad():
+        for n in (16, 32, 7, 24, 40):  # every size in place: still eager's numbers
+            x = torch.randn(n, 16)
+            for compiled, eager in zip((a, b, c, d), models, strict=True):
+                torch.testing.assert_close(compiled(x), eager(x), msg=f"{n} rows, ready")
+
+
+def test_the_compile_lock_is_dynamos_own():
+    # One lock for every compile of the process: a lock of ours beside Dynamo's, taken in the
+    # other order by a background compile, deadlocked a trace of a model with graph breaks.
+    held, release = threading.Event(), threading.Event()
+
+    def background() -> None:
+        with COMPILE_LOCK:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert held.wait(30)
+        from torch._dynamo.convert_frame import compile_lock as dynamo_lock  # the lock Dynamo takes
+
+        assert not dynamo_lock.acquire(blocking=False), "Dynamo could convert a frame mid-compile"
+    finally:
+        release.set()
+        thread.join(30)
+    assert dynamo_lock.acquire(blocking=False)
+    dynamo_lock.release()
+
+
+def test_a_torch_compiled_function_runs_while_another_thread_fx_traces():
+    # Every compile FX-traces (AOTAutograd's make_fx). On torch 2.11-2.13 the "tracing now" flag
+    # was process-wide: a torch.compile'd function called meanwhile in another thread raised.
+    _compat.isolate_fx_tracing_flag()  # what a background compile does first
+    inside, finish = threading.Event(), threading.Event()
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        inside.set()
+        assert finish.wait(30), "the test never let the trace finish"
+        return x + 1
+
+    errors: list[BaseException] = []
+
+    def trace() -> None:
+        try:
+            torch.fx.symbolic_trace(traced)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    compiled = torch.compile(lambda x: x * 2, backend="eager")
+    thread = threading.Thread(target=trace)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        x = torch.randn(3)
+        torch.testing.assert_close(compiled(x), x * 2)
+        assert not torch.fx._symbolic_trace.is_fx_symbolic_tracing(), "this thread traces nothing"
+    finally:
+        finish.set()
+        thread.join(30)
+    assert not errors, errors
