@@ -176,6 +176,22 @@ def test_the_warm_process_reads_the_scripts_globals_as_they_are_now(tmp_path):
     assert "__main__.LEAKY.__closure__[0]" in sloped["refused"] and sloped["error"] == 0.0
 
 
+@pytest.mark.slow
+def test_two_scripts_of_one_name_in_two_directories_are_two_models(tmp_path):
+    """a/serve.py and b/serve.py, one cache: b's helper's code differs (nothing the call check
+    reads), so only the fingerprint tells them apart: b never runs a's artifact."""
+    cache = tmp_path / "cache"
+    reports = []
+    for name, bias in (("a", "0.25"), ("b", "0.75")):
+        folder = tmp_path / name
+        folder.mkdir()
+        source = SCRIPT.replace("def helper(x, bias=0.25):", "def helper(x, bias=0.25):\n    bias = " + bias)
+        (folder / "serve.py").write_text(source)
+        reports.append(_run([sys.executable, "serve.py", "module", "eager", "5,9"], folder, cache))
+    for report in reports:  # each traced for itself, with its own numbers
+        assert report["warm_start"] is False and report["error"] == 0.0, report
+
+
 # -- in this process: a name of __main__ the warm process does not define ------------------------
 MAIN_SOURCE = """
 import torch

@@ -390,7 +390,10 @@ def fingerprint_record(
         "format": FINGERPRINT_FORMAT,
         "python": platform.python_version(),
         "torch": [torch.__version__, getattr(torch.version, "git_version", None)],
-        "function": [func.__module__, func.__qualname__, Path(code.co_filename).name],
+        # The file's whole path: two scripts of one name in two directories (a/serve.py and
+        # b/serve.py, each __main__) are two models. The artifact records its sources by path
+        # anyway, so a cache is shared only where the code lies at the same path.
+        "function": [func.__module__, func.__qualname__, os.path.abspath(code.co_filename)],
         "code": code_digest(code),
         "closure": [describe(c.cell_contents, depth=2) for c in (func.__closure__ or ())],
         "defaults": describe(func.__defaults__),
