@@ -403,3 +403,38 @@ threading._register_atexit(gate.set)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0 and "pool says 42" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_dynamos_compile_lock_is_found_and_reentrant():
+    lock = _compat.dynamo_compile_lock()
+    import torch._dynamo.convert_frame as convert_frame
+
+    assert lock is convert_frame.compile_lock, "tessera's compiles must take the lock Dynamo takes"
+    with lock, lock:  # re-entrant: a trace that compiles pieces takes it again inside Dynamo's
+        pass
+
+
+def test_the_fx_tracing_flag_is_per_thread_after_isolation():
+    import threading
+
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    _compat.isolate_fx_tracing_flag()
+    readers = (symbolic_trace.is_fx_tracing, symbolic_trace.is_fx_symbolic_tracing)
+    inside, finish, seen = threading.Event(), threading.Event(), []
+
+    def traced(x):
+        seen.append([reader() for reader in readers])  # in the tracing thread: tracing
+        inside.set()
+        finish.wait(30)
+        return x
+
+    thread = threading.Thread(target=torch.fx.symbolic_trace, args=(traced,))
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert [reader() for reader in readers] == [False, False], "another thread's trace"
+    finally:
+        finish.set()
+        thread.join(30)
+    assert seen == [[True, True]]
