@@ -6,9 +6,12 @@ Install with ``pip install tessera[hf]``. The model is not edited: attention is 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +25,9 @@ from tessera.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# The sequence dim of each input a causal LM's forward takes (batch is dim 0, kept static).
+# The sequence dim of each input a causal LM's forward takes (batch is dim 0, kept static). The
+# KV cache is no tensor and has no entry. transformers 4.x also takes ``cache_position`` (5.x
+# dropped it); a name the call does not pass is skipped.
 SEQUENCE_DIMS = {
     "input_ids": 1,
     "inputs_embeds": 1,
@@ -43,7 +48,8 @@ def compile_causal_lm(
     """Compile a causal LM's ``forward`` with the sequence length dynamic.
 
     Call it as the model: keyword arguments (``input_ids=``, ``position_ids=``, ``attention_mask=``,
-    ``past_key_values=``, ``cache_position=``) and ``ModelOutput`` results work unchanged. Use
+    the KV cache as the installed transformers names it: ``cache=`` from 5.24, ``past_key_values=``
+    and ``cache_position=`` before) and ``ModelOutput`` results work unchanged. Use
     ``dynamic_sequence=False`` for a decode step (one new token: every shape is static).
     """
     dims = dict(SEQUENCE_DIMS) if dynamic_sequence else {}
@@ -51,9 +57,11 @@ def compile_causal_lm(
 
 
 # generate() passes a 2-D mask (batch, keys) or a 4-D one (batch, 1, queries, keys): the last dim
-# is the key length in both. Marked "maybe dynamic", so a size the code fixes stays static.
-_PREFILL_DIMS = {**SEQUENCE_DIMS, "attention_mask": -1}
-_DECODE_DIMS = {"attention_mask": -1}
+# is the key length in both, and in prefill a 4-D mask's queries are the sequence too. Marked
+# "maybe dynamic", so a size the code fixes stays static.
+_PREFILL_DIMS: dict[str, int | tuple[int, ...]] = {**SEQUENCE_DIMS, "attention_mask": -1}
+_PREFILL_DIMS_4D_MASK: dict[str, int | tuple[int, ...]] = {**SEQUENCE_DIMS, "attention_mask": (-2, -1)}
+_DECODE_DIMS: dict[str, int | tuple[int, ...]] = {"attention_mask": -1}
 
 
 def compile_for_generate(
@@ -81,10 +89,12 @@ def compile_for_generate(
 class GenerateForward:
     """``model.forward`` under ``compile_for_generate``: each kind of call compiled once.
 
-    A kind is the phase (prefill: empty cache; decode: a filled one), the batch size, the cache's
-    type and the
-    keywords the call passes (generate() passes ``attention_mask`` only when it has one): each kind
-    is one compiled model, traced at its first call and checked at every call.
+    A kind is the phase (prefill: empty cache; decode: a filled one), the batch size, the cache
+    (``_cache_kind``: its type, whether it is allocated, a fixed-size cache's lengths) and the
+    keywords the call passes (generate() passes ``attention_mask`` only when it has one): each
+    kind is one compiled model, traced at its first call and checked at every call. The cache is
+    found by its type (a ``transformers.Cache``), whatever argument carries it: generate() passes
+    ``past_key_values=`` up to transformers 5.23 and ``cache=`` from 5.24.
     """
 
     MAX_KINDS = 8  # distinct kinds of call compiled, at most; more is a refusal naming them
@@ -100,12 +110,16 @@ class GenerateForward:
         self.eager_steps = 0  # decode steps run eagerly (a cache of length 1: see __call__)
         self.__signature__ = inspect.signature(forward)
 
-    def _model_for(self, phase: str, kwargs: dict[str, Any]) -> CompiledModel:
+    def _model_for(
+        self, phase: str, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> CompiledModel:
         # The batch too: generate() keeps it fixed for a whole call, and traces stay static in it.
-        batch = next((v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
-        cache = type(kwargs.get("past_key_values")).__name__
+        # Dim 0 of the batch-first inputs (ids, mask, positions: some broadcast it from 1); a 1-D
+        # tensor is no batch (transformers 4.x passes cache_position, one entry per new token).
+        values = (*args, *kwargs.values())
+        batch = max((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), default=0)
         given = frozenset(_given(k, v) for k, v in kwargs.items() if v is not None)
-        kind = (phase, batch, cache, given)
+        kind = (phase, batch, _cache_kind(cache), given)
         compiled = self.compiled.get(kind)
         if compiled is None:
             if len(self.compiled) >= self.MAX_KINDS:
@@ -114,13 +128,16 @@ class GenerateForward:
                     f"cache, keywords): {sorted(map(str, self.compiled))}. Call restore() and compile "
                     "the kinds you use with tessera.compile"
                 )
-            dims = _PREFILL_DIMS if phase == "prefill" else _DECODE_DIMS
+            dims = _DECODE_DIMS
+            if phase == "prefill":
+                mask = kwargs.get("attention_mask")
+                four_d = isinstance(mask, torch.Tensor) and mask.dim() == 4
+                dims = _PREFILL_DIMS_4D_MASK if four_d else _PREFILL_DIMS
             compiled = tessera_compile(
                 self.original, self._config, dynamic_dims=dims, prefix=phase, **self._overrides
             )
             compiled._soft_dims = True
-            if phase == "decode":
-                compiled._mark_nested = _mark_cache_lengths
+            compiled._mark_nested = _mark_cache_lengths if phase == "decode" else _mark_mask_sequences
             self.compiled[kind] = compiled
         return compiled
 
@@ -130,23 +147,25 @@ class GenerateForward:
         return list(self.compiled.values())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        length = _cache_length(kwargs.get("past_key_values"))
+        cache = find_cache(args, kwargs)
+        length = _cache_length(cache)
         if not length:
-            return self._model_for("prefill", kwargs)(*args, **kwargs)
-        decode = self._model_for("decode", kwargs)
+            kwargs = _masks_of_their_own(kwargs)
+            return self._model_for("prefill", cache, args, kwargs)(*args, **kwargs)
+        if length < 2:
+            # Dynamo traces a dynamic size as >= 2: a decode traced at cache length 1 would be
+            # static there and refuse the next step, and one traced longer does not serve it (with
+            # transformers 4.x, whose mask is one longer than the cache, not even as its size-1
+            # case). This step, the first after a one-token prompt, runs eagerly.
+            if not self.eager_steps:
+                log.info("decode steps with a KV cache of length 1 (after a one-token prompt) run eagerly")
+            self.eager_steps += 1
+            return self.original(*args, **kwargs)
+        decode = self._model_for("decode", cache, args, kwargs)
         # One layout for the cache at every step: prefill leaves its keys as views in the heads-
         # second order, while Inductor's decode writes them contiguous; the decode graph is traced
         # (and checked) for the layout it writes. A copy only where a tensor is not contiguous.
-        _contiguous_cache(kwargs.get("past_key_values"))
-        if decode.call_spec is None and length < 2:
-            # Dynamo traces a dynamic size as >= 2: a decode traced at cache length 1 would be
-            # static there and refuse the next step. This one step runs eagerly; the next compiles.
-            if not self.eager_steps:
-                log.info(
-                    "decode step with a KV cache of length 1 runs eagerly; decode compiles at the next step"
-                )
-            self.eager_steps += 1
-            return self.original(*args, **kwargs)
+        _contiguous_cache(cache)
         return decode(*args, **kwargs)
 
     def restore(self) -> None:
@@ -154,9 +173,84 @@ class GenerateForward:
         self.model.forward = self.original  # type: ignore[method-assign]
 
 
+@functools.cache
+def _cache_class() -> type[Any]:
+    import transformers  # tessera[hf]; imported at the first call, never by `import tessera`
+
+    cache_class: type[Any] = transformers.Cache
+    return cache_class
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (``DynamicCache``, ``StaticCache``, ...)."""
+    return isinstance(value, _cache_class())
+
+
+def find_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The KV cache a call passes, positional or under any keyword, or None.
+
+    Found by its type, not its argument's name: transformers 5.24 renamed the forward's
+    ``past_key_values`` to ``cache`` (the old name works, deprecated, until 5.40).
+    """
+    return next((v for v in (*args, *kwargs.values()) if is_cache(v)), None)
+
+
+def cache_parameter(func: Callable[..., Any]) -> str | None:
+    """The name of the parameter of ``func`` that takes the KV cache (``cache`` from transformers
+    5.24, ``past_key_values`` before): the one annotated with a ``transformers.Cache`` type."""
+    signature = _signature(func)
+    if signature is None:
+        return None
+    for name, parameter in signature.parameters.items():
+        annotation = parameter.annotation
+        if isinstance(annotation, str):  # a module with `from __future__ import annotations`
+            if "Cache" in annotation:
+                return name
+        elif any(isinstance(t, type) and issubclass(t, _cache_class()) for t in _types_in(annotation)):
+            return name
+    return None
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """``func``'s signature, its annotations evaluated where they resolve."""
+    for evaluate in (True, False):
+        with contextlib.suppress(NameError, TypeError, ValueError):  # no signature, or a name unknown
+            return inspect.signature(func, eval_str=evaluate)
+    return None
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    """``annotation`` and the types it is made of (``Cache | None`` -> Cache, NoneType)."""
+    return [annotation, *(t for arg in typing.get_args(annotation) for t in _types_in(arg))]
+
+
 def _cache_layers(cache: Any) -> list[Any]:
-    layers = getattr(cache, "layers", None)
+    layers = getattr(cache, "layers", None) if is_cache(cache) else None
     return list(layers) if isinstance(layers, (list, tuple)) else []
+
+
+def _cache_kind(cache: Any) -> str:
+    """A cache as a kind of call sees it: its type; whether its layers hold tensors yet
+    (transformers 4.x's generate() resets the ``StaticCache`` it reuses: allocated, and empty);
+    and a fixed-size cache's lengths, which its tensors and masks have as static sizes
+    (transformers 4.x sizes a ``StaticCache`` for each generate() call: prompt plus new tokens)."""
+    layers = _cache_layers(cache)
+    kind = type(cache).__name__
+    if any(getattr(layer, "is_initialized", False) for layer in layers):
+        kind += " (allocated)"
+    if getattr(cache, "is_compileable", False):
+        lengths = {_capacity(layer) for layer in layers}
+        kind += f" {sorted(n for n in lengths if n is not None)}"
+    return kind
+
+
+def _capacity(layer: Any) -> int | None:
+    """How many positions a fixed-size cache layer holds."""
+    keys = getattr(layer, "keys", None)
+    if getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor) and keys.dim() >= 2:
+        return int(keys.shape[-2])
+    length = getattr(layer, "max_cache_len", None)
+    return length if isinstance(length, int) else None
 
 
 def _given(name: str, value: Any) -> str:
@@ -177,13 +271,11 @@ def _contiguous_cache(cache: Any) -> None:
 
 
 def _cache_length(cache: Any) -> int:
-    """How many positions a KV cache holds (0: none given, or empty)."""
-    if cache is None:
+    """How many positions a KV cache holds (0: none given, or empty). A ``StaticCache`` answers
+    with a tensor (transformers 4.57 counts the filled slots; 5.24 keeps a counter)."""
+    if not is_cache(cache):
         return 0
-    length = getattr(cache, "get_seq_length", None)
-    if callable(length):
-        return int(length())
-    return 0
+    return int(cache.get_seq_length())
 
 
 def _mark_cache_lengths(values: dict[str, Any]) -> None:
@@ -203,6 +295,36 @@ def _mark_cache_lengths(values: dict[str, Any]) -> None:
                     dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2)
 
 
+def _masks_of_their_own(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with each view in a dict of masks copied (transformers 4.x unsqueezes a 3-D mask
+    per attention type): Dynamo traces a view argument through its base, whose dims are not marked,
+    so the prefill would be static in the mask's queries."""
+    copied = dict(kwargs)
+    for name, value in kwargs.items():
+        if isinstance(value, dict) and any(_is_view(v) for v in value.values()):
+            copied[name] = {k: v.clone() if _is_view(v) else v for k, v in value.items()}
+    return copied
+
+
+def _is_view(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value._base is not None
+
+
+def _mark_mask_sequences(values: dict[str, Any]) -> None:
+    """Prefill: the queries and keys dims of each 4-D mask in a dict of masks (one per attention
+    type: Qwen2 and Gemma 3 get one with a static cache on transformers 4.x) are dynamic, as those
+    of a 4-D mask passed alone are (``_PREFILL_DIMS_4D_MASK``)."""
+    dynamo = _compat.dynamo()
+    for value in values.values():
+        if not isinstance(value, dict):
+            continue
+        for mask in value.values():
+            if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+                for dim in (2, 3):
+                    if mask.shape[dim] >= 2:
+                        dynamo.maybe_mark_dynamic(mask, dim)
+
+
 def greedy_generate(
     prefill: Callable[..., Any],
     decode: Callable[..., Any],
@@ -213,18 +335,13 @@ def greedy_generate(
     """Greedy decoding with a static KV cache: one prefill call, then one decode call per token.
 
     ``prefill`` and ``decode`` are the model or compiled callables; ``cache`` is a
-    ``transformers.StaticCache`` sized for the prompt plus ``max_new_tokens``. Returns the new
-    tokens, shape [batch, max_new_tokens].
+    ``transformers.StaticCache`` sized for the prompt plus ``max_new_tokens``, passed under the name
+    each callable's forward takes it by (``cache_parameter``). Returns the new tokens, shape
+    [batch, max_new_tokens].
     """
 
     def next_token(step: Callable[..., Any], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = step(
-            input_ids=ids,
-            position_ids=positions.unsqueeze(0),
-            cache_position=positions,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
+        logits = step(**_step_inputs(step, ids, positions, cache), use_cache=True).logits
         tokens: torch.Tensor = logits[:, -1:].argmax(-1)  # [batch, 1]
         return tokens
 
@@ -236,3 +353,26 @@ def greedy_generate(
             token = next_token(decode, token, torch.tensor([length + step], device=input_ids.device))
             generated.append(token)
     return torch.cat(generated, dim=1)
+
+
+def _step_inputs(
+    step: Callable[..., Any], ids: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> dict[str, Any]:
+    """One step's keywords for ``step``'s forward: the cache under the name it takes it by (or,
+    with no annotation to go by, generate()'s own), and ``cache_position`` where the forward takes
+    it (transformers 4.x: a ``StaticCache`` writes there; 5.x keeps its own counter)."""
+    name = cache_parameter(step) or _generate_cache_parameter()
+    inputs = {"input_ids": ids, "position_ids": positions.unsqueeze(0), name: cache}
+    signature = _signature(step)
+    if signature is not None and "cache_position" in signature.parameters:
+        inputs["cache_position"] = positions
+    return inputs
+
+
+@functools.cache
+def _generate_cache_parameter() -> str:
+    """The keyword generate() passes the cache by, read from its ``prepare_inputs_for_generation``."""
+    import transformers
+
+    name = cache_parameter(transformers.GenerationMixin.prepare_inputs_for_generation)
+    return name or "past_key_values"
