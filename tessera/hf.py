@@ -107,7 +107,7 @@ class GenerateForward:
         self._config = config
         self._overrides = overrides
         self.compiled: dict[tuple[str, int, str, frozenset[str]], CompiledModel] = {}
-        self.eager_steps = 0  # decode steps run eagerly (a cache of length 1: see __call__)
+        self.eager_steps = 0  # steps run eagerly (a size of 1: see __call__)
         self.__signature__ = inspect.signature(forward)
 
     def _model_for(
@@ -149,18 +149,21 @@ class GenerateForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = find_cache(args, kwargs)
         length = _cache_length(cache)
+        size = length or _new_tokens(args, kwargs)  # the size dynamic in this phase's trace
+        if size is not None and size < 2:
+            # Dynamo traces a dynamic size as >= 2: a trace made at 1 would be static there and
+            # refuse the next size, and a general trace does not serve 1. tessera's own trace for
+            # a size under 2 needs the size's floor to be a guard of its own, and here it is not
+            # always (a sliding window bounds the prompt in the same guard; transformers 4.x's mask
+            # is one longer than the cache). So a one-token prompt's prefill, and the decode step
+            # after it (cache length 1), run eagerly: two steps of such a generate() call.
+            if not self.eager_steps:
+                log.info("generate(): a prefill of one token and a decode at cache length 1 run eagerly")
+            self.eager_steps += 1
+            return self.original(*args, **kwargs)
         if not length:
             kwargs = _masks_of_their_own(kwargs)
             return self._model_for("prefill", cache, args, kwargs)(*args, **kwargs)
-        if length < 2:
-            # Dynamo traces a dynamic size as >= 2: a decode traced at cache length 1 would be
-            # static there and refuse the next step, and one traced longer does not serve it (with
-            # transformers 4.x, whose mask is one longer than the cache, not even as its size-1
-            # case). This step, the first after a one-token prompt, runs eagerly.
-            if not self.eager_steps:
-                log.info("decode steps with a KV cache of length 1 (after a one-token prompt) run eagerly")
-            self.eager_steps += 1
-            return self.original(*args, **kwargs)
         decode = self._model_for("decode", cache, args, kwargs)
         # One layout for the cache at every step: prefill leaves its keys as views in the heads-
         # second order, while Inductor's decode writes them contiguous; the decode graph is traced
@@ -293,6 +296,12 @@ def _mark_cache_lengths(values: dict[str, Any]) -> None:
                     and "Static" not in type(layer).__name__
                 ):
                     dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2)
+
+
+def _new_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """How many tokens a call feeds (the sequence dim of its ids or embeddings), if it says."""
+    values = [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]]
+    return next((int(v.shape[1]) for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
 
 
 def _masks_of_their_own(kwargs: dict[str, Any]) -> dict[str, Any]:
