@@ -161,6 +161,8 @@ def _build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool]:
         return model, toy_llama.example_inputs(16), {}, True
     import transformers
 
+    from tessera import hf
+
     torch.manual_seed(0)
     family = "Qwen2" if "qwen2" in name else "Llama"
     config = getattr(transformers, f"{family}Config")(**HF_SIZES, attn_implementation="sdpa")
@@ -171,23 +173,10 @@ def _build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool]:
     # decode: the prompt goes through eagerly; the measured call is the first decode step.
     cache = transformers.StaticCache(config=config, max_cache_len=64)
     positions = torch.arange(16)
-    with torch.no_grad():
-        logits = model(
-            input_ids=prompt,
-            position_ids=positions[None],
-            cache_position=positions,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
+    with torch.no_grad():  # the cache under the name this transformers' forward takes it by
+        logits = model(**hf.step_inputs(model, prompt, positions, cache), use_cache=True).logits
     token = logits[:, -1:].argmax(-1)
-    step = torch.tensor([16])
-    kwargs = {
-        "input_ids": token,
-        "position_ids": step[None],
-        "cache_position": step,
-        "past_key_values": cache,
-        "use_cache": True,
-    }
+    kwargs = {**hf.step_inputs(model, token, torch.tensor([16]), cache), "use_cache": True}
     return model, (), kwargs, False
 
 

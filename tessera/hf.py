@@ -215,10 +215,11 @@ def cache_parameter(func: Callable[..., Any]) -> str | None:
 
 
 def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
-    """``func``'s signature, its annotations evaluated where they resolve."""
+    """``func``'s signature (a module's: its forward's), its annotations evaluated where they resolve."""
+    target = func.forward if isinstance(func, torch.nn.Module) else func
     for evaluate in (True, False):
         with contextlib.suppress(NameError, TypeError, ValueError):  # no signature, or a name unknown
-            return inspect.signature(func, eval_str=evaluate)
+            return inspect.signature(target, eval_str=evaluate)
     return None
 
 
@@ -350,7 +351,7 @@ def greedy_generate(
     """
 
     def next_token(step: Callable[..., Any], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        logits = step(**_step_inputs(step, ids, positions, cache), use_cache=True).logits
+        logits = step(**step_inputs(step, ids, positions, cache), use_cache=True).logits
         tokens: torch.Tensor = logits[:, -1:].argmax(-1)  # [batch, 1]
         return tokens
 
@@ -364,12 +365,13 @@ def greedy_generate(
     return torch.cat(generated, dim=1)
 
 
-def _step_inputs(
+def step_inputs(
     step: Callable[..., Any], ids: torch.Tensor, positions: torch.Tensor, cache: Any
 ) -> dict[str, Any]:
-    """One step's keywords for ``step``'s forward: the cache under the name it takes it by (or,
-    with no annotation to go by, generate()'s own), and ``cache_position`` where the forward takes
-    it (transformers 4.x: a ``StaticCache`` writes there; 5.x keeps its own counter)."""
+    """One step's keywords for ``step`` (a causal LM or its compiled forward): ``input_ids``,
+    ``position_ids``, the cache under the name the forward takes it by (``cache_parameter``; with no
+    annotation to go by, generate()'s own), and ``cache_position`` where the forward takes it
+    (transformers 4.x: a ``StaticCache`` writes there; 5.x keeps its own counter)."""
     name = cache_parameter(step) or _generate_cache_parameter()
     inputs = {"input_ids": ids, "position_ids": positions.unsqueeze(0), name: cache}
     signature = _signature(step)

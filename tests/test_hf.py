@@ -115,8 +115,11 @@ def test_the_cache_is_found_by_its_type_under_any_name_and_passed_as_the_forward
     until 5.40): tessera.hf finds a cache by its type, positional or under any keyword."""
     model, config = build("llama")
     parameters = inspect.signature(model.forward).parameters
-    assert hf.cache_parameter(model.forward) == ("cache" if "cache" in parameters else "past_key_values")
+    name = "cache" if "cache" in parameters else "past_key_values"
+    assert hf.cache_parameter(model) == hf.cache_parameter(model.forward) == name
     cache = transformers.DynamicCache(config=config)
+    inputs = hf.step_inputs(model, torch.ones(1, 1, dtype=torch.long), torch.tensor([0]), cache)
+    assert inputs[name] is cache and ("cache_position" in inputs) == ("cache_position" in parameters)
     assert hf.find_cache((), {"any_name": cache, "past_key_values": None}) is cache
     assert hf.find_cache((torch.ones(1, 2), cache), {}) is cache
     assert hf.find_cache((), {"past_key_values": ((torch.ones(1),),)}) is None  # no Cache
