@@ -779,7 +779,12 @@ class CompiledModel:
                 args,
                 kwargs,
                 lambda path: names.get(path, path),
-                lambda path: frozenset(dynamic.get(names.get(path, ""), ())),
+                # Marked dims, and every dim the trace made symbolic (a tensor nested in a dict
+                # argument, a mask per attention type): Dynamo's guards bound those, not a size.
+                lambda path: (
+                    frozenset(dynamic.get(names.get(path, ""), ()))
+                    | frozenset(d for d, s in enumerate(symbols.get(path, ())) if s is not None)
+                ),
                 translation.assumptions,
                 translation.parents,
                 state,

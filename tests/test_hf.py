@@ -320,14 +320,7 @@ def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cach
     "family",
     [
         "llama",
-        pytest.param(
-            "qwen2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a mask per attention type is a dict: the call check (api.py's _recorder) "
-                "describes a tensor in a dict with every dim static, though the trace has it dynamic",
-            ),
-        ),
+        "qwen2",  # a mask per attention type: a dict of tensors, dynamic in the trace
     ],
 )
 def test_a_static_cache_prefill_serves_prompts_of_several_lengths(family):
