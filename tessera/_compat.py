@@ -603,13 +603,30 @@ def inductor_config_overrides() -> str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             for name, entry in entries.items():
-                if name.startswith("_") or name in INDUCTOR_CONFIG_NOT_IN_KEY:
+                if name.startswith("_") or name in INDUCTOR_CONFIG_NOT_IN_KEY or _no_default(entry):
                     continue
                 with contextlib.suppress(Exception):
                     value = getattr(module, name)
                     if value != getattr(entry, "default", value):
                         changed.append((name, repr(value)))
     return repr((env, sorted(changed)))
+
+
+def _no_default(entry: Any) -> bool:
+    """Whether a config entry has no default of its own to compare with: an alias of another
+    config (``force_disable_caches`` is ``torch.compiler.config``'s) or one whose default is
+    torch's unset sentinel (a plain ``object()``). Its value differs from that "default" as soon as
+    the other config loads, so counting it made the fingerprint depend on whether anything in the
+    process had compiled yet: a second model in a process never found its warm artifact. Such an
+    entry counts only when the user set it (``user_override``, a ContextVar on torch 2.13).
+    """
+    if getattr(entry, "alias", None) is not None:
+        return True
+    if type(getattr(entry, "default", None)) is not object:
+        return False
+    read = getattr(getattr(entry, "user_override", None), "get", None)
+    value = read() if callable(read) else None
+    return value is None or type(value) is object
 
 
 def _inductor_env_changes_code(name: str) -> bool:

@@ -32,7 +32,7 @@ from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.key import fingerprint_record
 from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
-from tessera.compile_state import COMPILE_LOCK
+from tessera.compile_state import COMPILE_LOCK, between_compiles
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import (
@@ -441,16 +441,17 @@ class CompiledModel:
         known_path: model_artifact.OtherPath | None = None
         if root is not None:
             start = time.perf_counter()
-            print_ = fingerprint_record(
-                self._func,
-                self._bound_to,
-                values,
-                choice.dims,
-                self.compile_config,
-                warm_hash(compiler),
-                prefix,
-                rank_dir(),
-            ).digest
+            with between_compiles():  # another model's compile must not lend us its config patches
+                print_ = fingerprint_record(
+                    self._func,
+                    self._bound_to,
+                    values,
+                    choice.dims,
+                    self.compile_config,
+                    warm_hash(compiler),
+                    prefix,
+                    rank_dir(),
+                ).digest
             self.startup_phases["fingerprint"] = time.perf_counter() - start
             if remote is not None:
                 fetch_pointer(remote, root, print_)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -43,6 +44,23 @@ class _CompileLock:
 
 
 COMPILE_LOCK = _CompileLock()
+
+
+@contextlib.contextmanager
+def between_compiles() -> Iterator[None]:
+    """No compile of this process is half-way while the caller reads compiler settings.
+
+    A compile patches Inductor's configuration process-wide for its duration (``max_autotune``
+    for a static size): a model fingerprinted meanwhile read the patch as the user's setting, and
+    its whole-model artifact went under a fingerprint no later process computes. Waits for the
+    compile lock only when Dynamo is loaded: before that, nothing in the process has compiled
+    (and a warm start stays free of Dynamo's import).
+    """
+    if "torch._dynamo.convert_frame" not in sys.modules:
+        yield
+        return
+    with COMPILE_LOCK:
+        yield
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,33 +14,30 @@ from tests.child import run_json
 STATES = ("inference_mode", "no_grad", "frozen")
 
 
-def _cold_then_warm(tmp_path, state: str, backend: str) -> tuple[dict, dict]:
+def _cold_then_warm(tmp_path, backend: str) -> tuple[dict, dict]:
     cache = tmp_path / "cache"
-    cold = run_json("tests.run_grad_state", state, backend, "16", cache=cache)
-    warm = run_json("tests.run_grad_state", state, backend, "16,7,33", cache=cache)
+    cold = run_json("tests.run_grad_state", backend, "16", cache=cache)
+    warm = run_json("tests.run_grad_state", backend, "16,7,33", cache=cache)  # 7, 33: not seen
+    assert sorted(cold["states"]) == sorted(warm["states"]) == sorted(STATES)
+    assert cold["traced"] == len(STATES), cold
+    assert warm["traced"] == 0, warm
+    for state in STATES:
+        first, second = cold["states"][state], warm["states"][state]
+        assert first["warm"] is False and first["error"] < 1e-5 and not first["grad_fn"], (state, first)
+        assert second["warm"] is True and second["error"] < 1e-5, (state, second)
+        assert not second["grad_fn"], f"{state}: an inference result carries no graph for backward"
     return cold, warm
 
 
-def _check(cold: dict, warm: dict) -> None:
-    assert cold["warm"] is False and cold["traced"] == 1, cold
-    assert cold["error"] < 1e-5 and not cold["grad_fn"], cold
-    assert warm["warm"] is True and warm["traced"] == 0, warm
-    assert warm["error"] < 1e-5, warm
-    assert not warm["grad_fn"], "an inference result carries no graph for backward"
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("state", STATES)
-def test_cold_then_warm_process_eager_compiler(tmp_path, state):
-    _check(*_cold_then_warm(tmp_path, state, "eager"))
+def test_cold_then_warm_process_in_every_grad_state_eager_compiler(tmp_path):
+    _cold_then_warm(tmp_path, "eager")
 
 
 @pytest.mark.slow
 @pytest.mark.inductor
-@pytest.mark.parametrize("state", STATES)
-def test_cold_then_warm_process_inductor_loads_lean(tmp_path, state):
-    cold, warm = _cold_then_warm(tmp_path, state, "inductor")
-    _check(cold, warm)
+def test_cold_then_warm_process_in_every_grad_state_inductor_loads_lean(tmp_path):
+    _, warm = _cold_then_warm(tmp_path, "inductor")
     # Pieces compiled in the background carry their direct code (they were compiled for
     # inference, not for autograd), so the warm process imports no compiler.
     imported = sorted(name for name, present in warm["modules"].items() if present)
