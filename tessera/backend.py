@@ -9,6 +9,7 @@ the backend writes its own whole-model artifact (``save_artifact``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
@@ -423,8 +424,16 @@ class PiecewiseBackend:
         # A compile in another thread must not make this process's other torch.compile'd
         # functions think they are being FX-traced (torch 2.11-2.13, see _compat).
         _compat.isolate_fx_tracing_flag()
+        # The thread runs in a copy of this thread's context: Inductor's and Dynamo's settings
+        # are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and a new thread
+        # starts with an empty context, so the user's settings, which the cache key has read,
+        # would be missing from the compile.
+        context = contextvars.copy_context()
         thread = threading.Thread(
-            target=self._compile_later, args=(then,), name=f"tessera-compile-{self.prefix}", daemon=False
+            target=context.run,
+            args=(self._compile_later, then),
+            name=f"tessera-compile-{self.prefix}",
+            daemon=False,
         )
         thread.start()
         _compat.join_before_pools_shut(thread)

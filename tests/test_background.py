@@ -5,6 +5,7 @@ front: TESSERA_BACKGROUND_COMPILE=0, conftest.)"""
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import logging
 import threading
@@ -221,6 +222,9 @@ def test_pieces_serve_as_traced_only_without_a_remote_tier():
     assert alone._serves_traced() and not fleet._serves_traced()
 
 
+SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("setting", default="unset")
+
+
 class StateRecorder:
     """Runs graphs as Python, recording the state each compile ran under and in which thread."""
 
@@ -241,6 +245,8 @@ class StateRecorder:
                 "grad": torch.is_grad_enabled(),
                 "autocast": torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
                 "default_dtype": torch.get_default_dtype(),
+                # A context variable, as Inductor's settings are (torch 2.13: config.x = v).
+                "setting": importlib.import_module("tests.test_background").SETTING.get(),
             }
         )
         return graph.forward, None
@@ -262,8 +268,11 @@ def test_the_background_compiles_under_the_traced_calls_state_not_the_threads(gr
         model, backend="tests.test_background:StateRecorder", compile_sizes=[16], background_compile=True
     )
     x = torch.randn(8, 16)
+    setting = importlib.import_module("tests.test_background").SETTING
+    token = setting.set("the user's")
     with grad_state(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = compiled(x)
+        setting.reset(token)
         assert compiled.wait_ready(60)
         torch.testing.assert_close(out, model(x))
         assert out.dtype == torch.bfloat16
@@ -271,4 +280,4 @@ def test_the_background_compiles_under_the_traced_calls_state_not_the_threads(gr
     assert {s["size"] for s in background} == {None, 16}, recorder.seen
     for state in recorder.seen:
         assert state["grad"] is False and state["autocast"] == torch.bfloat16, state
-        assert state["default_dtype"] == torch.float32, state
+        assert state["default_dtype"] == torch.float32 and state["setting"] == "the user's", state
