@@ -77,12 +77,8 @@ class CompileState:
     @classmethod
     def current(cls) -> CompileState:
         """The calling thread's state (taken where the trace runs)."""
-        autocast = tuple(
-            (device, torch.get_autocast_dtype(device))
-            for device in AUTOCAST_DEVICES
-            if torch.is_autocast_enabled(device)
-        )
-        return cls(autocast, torch.get_default_dtype())
+        autocast, default_dtype, _ = _compat.call_state()  # what the call check compares, too
+        return cls(autocast, default_dtype)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
