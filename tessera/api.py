@@ -1,8 +1,8 @@
-"""``tessera.compile`` and the ``CompiledModel`` it returns: the public entry point.
+"""``tessera.compile`` and the ``CompiledModel`` it returns: the public face.
 
-Chooses the mode's path (none / stock / trace_once / piecewise), runs the first call (a warm start
-from the whole-model artifact when there is one, else the one Dynamo trace) and puts every later
-call behind the check of what that trace assumed (call_check.py) and the root module's hooks.
+Chooses the mode's path (none / stock / trace_once / piecewise) at the first call. The model's
+traces are owned by ``traces.Traces`` (made, loaded from the warm start, routed, bounded); this
+module runs the root module's hooks around them and keeps the record of the first call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import functools
 import inspect
 import json
 import logging
-import re
 import threading
 import time
 import types
@@ -25,23 +24,18 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, counters, dynamo_guards, hooks, validation
-from tessera.backend import GraphReceiver, PiecewiseBackend
+from tessera import _compat, call_check, counters, hooks, validation
+from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact
-from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.key import fingerprint_record
-from tessera.cache.remote import RemoteTier, fetch_pointer, publish, remote_tier
-from tessera.compile_state import COMPILE_LOCK, between_compiles
+from tessera.cache.remote import fetch_pointer, remote_tier
+from tessera.compile_state import between_compiles
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
-from tessera.errors import (
-    ConfigError,
-    SizeFixedError,
-    TesseraWarning,
-    UnsupportedModelError,
-    UntestedTorchWarning,
-)
+from tessera.errors import ConfigError, UnsupportedModelError, UntestedTorchWarning
+from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.guarded import start_guarded
 from tessera.piece import PieceRecord
 from tessera.report import (
     CompileReport,
@@ -51,28 +45,14 @@ from tessera.report import (
     merge_graph_reports,
     save_report,
 )
-from tessera.wrapper import (
-    DynamicChoice,
-    DynamicDims,
-    bind_arguments,
-    choose_dynamic_dims,
-    entry_frame,
-    mark_dynamic,
-    split_callable,
-    trace_once,
-)
+from tessera.traces import Model, TraceContext, TraceEntry, Traces
+from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
 
 log = logging.getLogger(__name__)
 
 # ``tessera report SCRIPT`` / ``tessera bisect SCRIPT`` set this to a list: every compiled model
 # is appended, and keeps its first call's arguments (first_call) for bisection.
 RECORDER: list[CompiledModel] | None = None
-
-# Argument state (a StaticCache's length) may turn symbolic this many times before calls whose
-# state differs are refused: each re-trace costs a compile.
-MAX_STATE_RETRACES = 2
-# Sizes traced one by one where the code fixes a dynamic dim's size; Dynamo's recompile limit.
-MAX_SIZE_TRACES = 8
 
 
 def compile(
@@ -126,10 +106,9 @@ def _warn_if_untested_torch() -> None:
 class Stage(enum.Enum):
     """Where a compiled model is in its life (``compiled.stage``)."""
 
-    UNBUILT = "unbuilt"  # no general trace yet (none, or only small-size children, served calls)
+    UNBUILT = "unbuilt"  # no trace yet
     TRACING = "tracing"  # the first call is loading or tracing and compiling
-    READY = "ready"  # later calls go through the call check to what was installed
-    RETRACING = "retracing"  # argument state the trace read changed: one more trace
+    READY = "ready"  # calls go through the traces' checks (traces.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,23 +117,8 @@ class Lifecycle:
     transition (a reader sees one consistent record, never half of two)."""
 
     stage: Stage
-    call: Callable[..., Any]  # what ``compiled(...)`` runs: root hooks, the call check, the forward
-    checked: Callable[..., Any] | None = None  # the call check and the forward (root hooks aside)
-    fast: Callable[..., Any] | None = None  # the compiled forward, unchecked
-    spec: call_check.CallSpec | None = None  # what the trace assumed of every call
-    backend: PiecewiseBackend | None = None  # the pieces of the one trace (None: other paths)
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceContext:
-    """What a trace of this model needs, found at the first call: compiler, cache root and
-    prefix, the model's fingerprint (None: no whole-model artifact) and the remote tier."""
-
-    compiler: Any
-    root: Path | None
-    prefix: str
-    fingerprint: str | None
-    remote: RemoteTier | None
+    call: Callable[..., Any]  # what ``compiled(...)`` runs: root hooks, the check, the forward
+    spec: call_check.CallSpec | None = None  # what the trace serving last assumed of a call
 
 
 class CompiledModel:
@@ -179,39 +143,19 @@ class CompiledModel:
         self._traced_fn = entry_frame()
         self._dynamic_dims = dynamic_dims
         # Re-entrant: a call that waited for the first call's compile is served under the lock,
-        # and may need a re-trace or a small-size child, which take it again.
+        # and may need a trace of its own, which takes it again.
         self._lock = threading.RLock()
         self._life = Lifecycle(Stage.UNBUILT, self._first_call)
-        self.marked_dims: list[tuple[str, int]] = []
         self.first_call_seconds: float | None = None
-        self.warm_start: bool | None = None  # True: rebuilt from the whole-model artifact
-        self.warm_start_refused: str | None = None  # why the whole-model artifact was not used
+        self.warm_start: bool | None = None  # True: every trace the first call needed was loaded
         self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
-        self._counters_before: dict[str, int] = {}
         self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
-        self._small_before_general = 0  # calls served by small-size children before the general trace
-        self.eager_calls = 0  # calls run eagerly past MAX_SIZE_TRACES (code that fixes sizes)
-        self._per_size = False  # the code fixes a dynamic dim's size: each size has its own trace
-        self._marked_paths: dict[str, frozenset[int]] = {}  # args[i] / kwargs['k'] -> dims marked
+        self._traces: Traces | None = None  # every trace of the model (traces.py)
         # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
         self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
-        self._context = TraceContext(None, None, "model", None, None)
-        self._dynamic_state: tuple[str, ...] = ()  # argument ints traced as symbols (see call_check.py)
-        self._state_retraces = 0
-        self._trace_code: types.CodeType | None = None
-        self._bound: dict[str, Any] = {}  # what the call check reads besides the arguments
-        self._tensors: Callable[..., tuple[Any, ...]] = lambda args, kwargs: ()  # tensors the trace read
-        self._mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
-        self.dropped_guards: tuple[tuple[str, int], ...] = ()  # Dynamo guards not re-checked, and why
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
-        # Dims held static at a size below Dynamo's floor of 2 (a model serving such calls for its
-        # parent), and the children serving this model's calls under the floor, by (name, dim, size).
-        self._static_dims: frozenset[tuple[str, int]] = frozenset()
-        self._small: dict[frozenset[tuple[str, int, int]], CompiledModel] = {}
-        self._accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool] | None = None
-        # Set by wrappers (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
+        # Set by presets (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
         # the code fixes them), and a function marking dims of tensors nested in the arguments.
-        self._name: str | None = None  # a small-size or per-size child: its parent's name and size
         self._soft_dims = False
         self._mark_nested: Callable[[dict[str, Any]], None] | None = None
         if RECORDER is not None:
@@ -233,23 +177,26 @@ class CompiledModel:
             return self.model(*args, **kwargs)
         return self._life.call(*args, **kwargs)
 
+    # -- what a user reads ----------------------------------------------------------------------
     @property
     def stage(self) -> Stage:
-        """Where this model is in its life: unbuilt, tracing, ready or retracing."""
+        """Where this model is in its life: unbuilt, tracing or ready."""
         return self._life.stage
 
     @property
     def call_spec(self) -> call_check.CallSpec | None:
-        """What the trace assumed of every call (None before the first trace, or on other paths)."""
+        """What the trace serving last assumed of every call (None before the first trace)."""
         return self._life.spec
 
     @property
-    def _backend(self) -> PiecewiseBackend | None:
-        return self._life.backend
+    def traces(self) -> tuple[TraceEntry, ...]:
+        """Every trace the model holds, in the order made or loaded (each with its reason)."""
+        return () if self._traces is None else self._traces.entries
 
-    def _move(self, **changes: Any) -> None:
-        """The next lifecycle record: this one with ``changes``, swapped in whole."""
-        self._life = dataclasses.replace(self._life, **changes)
+    @property
+    def _backend(self) -> PiecewiseBackend | None:
+        traces = self.traces
+        return traces[0].backend if traces else None
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -267,11 +214,11 @@ class CompiledModel:
 
     @property
     def name(self) -> str:
-        return self._name or self.prefix or self._func.__qualname__
+        return self.prefix or self._func.__qualname__
 
     @property
     def pieces(self) -> tuple[PieceRecord, ...]:
-        """One frozen record per piece (empty before the first call and in modes without pieces)."""
+        """One frozen record per piece of the first trace (empty before it, and without pieces)."""
         return () if self._backend is None else self._backend.pieces()
 
     @property
@@ -282,12 +229,8 @@ class CompiledModel:
 
     @property
     def report(self) -> CompileReport | None:
-        """What the first call compiled or loaded, from where, at what cost (None before it).
-        Until a call has a size the general trace can come from, the first small-size trace's."""
-        if self.first_call_seconds is None:
-            children = [c.report for c in tuple(self._small.values())]
-            return next((r for r in children if r is not None), None)
-        return self._make_report()
+        """What the first call compiled or loaded, from where, at what cost (None before it)."""
+        return None if self.first_call_seconds is None else self._make_report()
 
     @property
     def ready(self) -> bool:
@@ -296,20 +239,18 @@ class CompiledModel:
         return self.wait_ready(0)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until every size is in place, at most ``timeout`` seconds; whether it is. A
-        server gates its readiness on it; calls are served (by the general artifacts) meanwhile."""
+        """Wait until every size of every trace is in place, at most ``timeout`` seconds; whether it
+        is. A server gates its readiness on it; calls are served (by the general artifacts) meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for backend in self._backends():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not backend.ready.wait(left):
                 return False
-        return self.first_call_seconds is not None or bool(self._small)
+        return self.first_call_seconds is not None
 
     def _backends(self) -> list[PiecewiseBackend]:
-        own = [self._backend] if self._backend is not None else []
-        graphs = [b for _, b in self._graphs]
-        children = [b for c in tuple(self._small.values()) for b in c._backends()]
-        return own + graphs + children
+        own = self._traces.backends() if self._traces is not None else []
+        return own + [b for _, b in self._graphs]
 
     def _make_report(self) -> CompileReport:
         if self._graphs:  # the guarded path: one report of every graph's pieces
@@ -322,7 +263,7 @@ class CompiledModel:
                 dict(self.startup_phases),
                 self.first_call_seconds or 0.0,
             )
-        return build_report(
+        report = build_report(
             self.name,
             self.compile_config,
             self._backend,
@@ -330,6 +271,9 @@ class CompiledModel:
             self._counters,
             self.first_call_seconds or 0.0,
         )
+        if self._traces is None:
+            return report
+        return dataclasses.replace(report, traces=self._traces.reports())
 
     @property
     def runners(self) -> dict[str, Any]:
@@ -338,13 +282,29 @@ class CompiledModel:
 
     @property
     def trace_code(self) -> types.CodeType | None:
-        """Dynamo's transformed code of the traced frame (None after a warm start)."""
-        return self._trace_code
+        """Dynamo's transformed code of the first traced entry (None when every trace was loaded)."""
+        return next((e.code for e in self.traces if e.code is not None), None)
 
     @property
     def check_namespace(self) -> dict[str, Any]:
         """What the call check reads besides the arguments (the model, the objects it holds)."""
-        return dict(self._bound)
+        last = self._traces.last if self._traces is not None else None
+        return dict(last.bound) if last is not None else {}
+
+    @property
+    def marked_dims(self) -> list[tuple[str, int]]:
+        """The dims the first trace marked dynamic."""
+        return list(self._traces.marked_dims) if self._traces is not None else []
+
+    @property
+    def dropped_guards(self) -> tuple[tuple[str, int], ...]:
+        """Dynamo guards of the latest trace not re-checked, and why."""
+        return self._traces.dropped_guards if self._traces is not None else ()
+
+    @property
+    def warm_start_refused(self) -> str | None:
+        """Why a saved trace did not serve the first call (None: one did, or none was saved)."""
+        return self._traces.warm_refused if self._traces is not None else None
 
     @property
     def entry_frame(self) -> types.FunctionType:
@@ -362,15 +322,11 @@ class CompiledModel:
 
     @property
     def split_graph(self) -> torch.fx.GraphModule | None:
-        """The split module (pieces as submodules), after a traced first call in piecewise modes."""
+        """The split module (pieces as submodules) of the first trace, when it was traced here."""
         return self._backend.split_gm if self._backend is not None else None
 
     # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
-        if self._small and (self._module is None or not hooks.active(self._module)):
-            child = self._small_child(args, kwargs)  # small sizes only so far: no lock, no binding
-            if child is not None:
-                return child(*args, **kwargs)
         with self._lock:
             if self._life.stage is Stage.READY:  # another thread compiled while we waited
                 return self._life.call(*args, **kwargs)
@@ -389,7 +345,7 @@ class CompiledModel:
                 log.info("%s: first call kept by reference for bisection (%s)", self.name, e)
                 self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
-        self._counters_before = counters.snapshot()
+        before = counters.snapshot()
         unbuilt = self._life
         self._move(stage=Stage.TRACING)
         try:
@@ -397,12 +353,11 @@ class CompiledModel:
         except BaseException:
             self._life = unbuilt  # the next call tries again
             raise
-        if call is None:  # served by a small-size child: the general trace waits for its size
-            self._life = unbuilt
-            return output
-        self._move(stage=Stage.READY, call=call)
+        if call is not None:  # a path without traces (none, stock, guarded)
+            self._move(call=call)
+        self._move(stage=Stage.READY)
         self.first_call_seconds = time.perf_counter() - start
-        self._counters = counter_delta(self._counters_before, counters.snapshot())
+        self._counters = counter_delta(before, counters.snapshot())
         report = self._make_report()
         log.info("%s", report.summary())  # one line per model: cold or warm, cost, where
         as_json = json.dumps(report.as_dict(), indent=1)
@@ -413,41 +368,71 @@ class CompiledModel:
             self._on_compiled(report)
         return output
 
+    def _move(self, **changes: Any) -> None:
+        """The next lifecycle record: this one with ``changes``, swapped in whole."""
+        self._life = dataclasses.replace(self._life, **changes)
+
     def _compile(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Callable[..., Any] | None]:
-        """The first call's output and the callable for later calls (None: compile deferred)."""
+        """The first call's output, and what serves later calls (None: the traces, installed)."""
         mode = self.compile_config.mode
         if mode == "none":
             return self.model(*args, **kwargs), self.model
-        values = bind_arguments(self._func, self._bound_to, args, kwargs)
-        choice = self._choose(values)
-        self.marked_dims = list(choice.dims)
         if mode != "stock" and torch.is_grad_enabled():
             # tessera compiles inference graphs: refuse now a call whose result needs gradients,
             # and trace (or start warm) under no_grad a call whose result would not.
-            self._refuse_if_grad_needed(_grad_tensors((self.model, args, kwargs)))
+            refuse_if_grad_needed(self.name, self._owner(), grad_tensors((self.model, args, kwargs)))
             with torch.no_grad():
                 return self._compile(args, kwargs)
+        values = bind_arguments(self._func, self._bound_to, args, kwargs)
         if mode == "stock":
-            mark_dynamic(values, choice)
+            from tessera.wrapper import choose_dynamic_dims, mark_dynamic
+
+            mark_dynamic(values, choose_dynamic_dims(self._func, values, self._dynamic_dims))
             compiled = torch.compile(self.model, backend=stock_backend(self.compile_config.backend))
             return compiled(*args, **kwargs), compiled
-        compiler = make_compiler(self.compile_config.backend)
-        root = None if self.compile_config.disable_cache else cache_root(self.compile_config.cache_dir)
-        remote = remote_tier(self.compile_config.cache_remote) if root is not None else None
+        traces = self._traces = self._make_traces()
+        traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
+        try:
+            traces.load_saved()
+        except model_artifact.OtherPath as e:  # recorded by an earlier process: graph breaks
+            log.info("%s: %s (recorded by an earlier process)", self.name, e)
+            return self._start_guarded(args, kwargs, values, e.reason)
+        loaded = len(traces.entries)
+        try:
+            output = traces.first(args, kwargs)
+        except UnsupportedModelError as e:
+            if self.compile_config.fullgraph or e.dynamo_error is None:
+                raise
+            self._record_guarded(str(e))
+            return self._start_guarded(args, kwargs, values, str(e))
+        self.warm_start = len(traces.entries) == loaded and loaded > 0
+        served = traces.last
+        if served is not None:
+            self.startup_phases.update(served.backend.phases)
+        if traces.trace_seconds:
+            self.startup_phases["trace"] = traces.trace_seconds
+        return output, None
+
+    def _owner(self) -> Any:
+        return self._module if self._module is not None else self._bound_to
+
+    def _make_traces(self) -> Traces:
+        config = self.compile_config
+        compiler = make_compiler(config.backend)
+        root = None if config.disable_cache else cache_root(config.cache_dir)
+        remote = remote_tier(config.cache_remote) if root is not None else None
         prefix = self.prefix or "model"
         print_ = None
-        known_path: model_artifact.OtherPath | None = None
         if root is not None:
             start = time.perf_counter()
             with between_compiles():  # another model's compile must not lend us its config patches
                 print_ = fingerprint_record(
                     self._func,
                     self._bound_to,
-                    values,
-                    choice.dims,
-                    self.compile_config,
+                    self._dynamic_dims,
+                    config,
                     warm_hash(compiler),
                     prefix,
                     rank_dir(),
@@ -455,392 +440,29 @@ class CompiledModel:
             self.startup_phases["fingerprint"] = time.perf_counter() - start
             if remote is not None:
                 fetch_pointer(remote, root, print_)
-            try:
-                backend, call, spec = PiecewiseBackend.from_artifact(
-                    self.compile_config, compiler, root, prefix, print_, self._traced_fn
-                )
-                try:
-                    args, kwargs = self._fits(spec, args, kwargs)
-                except WarmStartUnavailable:
-                    counters.bump("warm_start_fallbacks")  # an artifact there, not for this call
-                    raise
-            except model_artifact.OtherPath as e:
-                known_path = e  # graph breaks or sizes the code fixes: no one-graph trace to try
-                self.warm_start_refused = str(e)
-            except WarmStartUnavailable as e:
-                self.warm_start_refused = str(e)
-                log.info("%s: no start from the whole-model artifact (%s); tracing once", self.name, e)
-            else:
-                self._move(backend=backend)
-                self.warm_start = True
-                self.startup_phases.update(backend.phases)
-                start = time.perf_counter()
-                fast = functools.partial(call, self._target)
-                self._install(fast, spec, _compat.guard_globals(self._traced_fn.__globals__))
-                # The forward itself: the root hooks already wrap this first call (_first_call),
-                # and _fits has checked and normalised its arguments.
-                versions = _versions(args, kwargs)
-                output = fast(*args, **kwargs)
-                self._mutated = _changed(versions, args, kwargs)
-                self.startup_phases["first_call"] = time.perf_counter() - start
-                return output, self._life.call
-        degenerate = [(n, d) for n, d in choice.dims if values[n].shape[d] < 2]
-        if degenerate and self.compile_config.dynamic_shapes != "unbacked":
-            # Dynamo specializes sizes 0 and 1 even on marked dims, and models branch on them
-            # (transformers: `q_length > 1`), so a trace at size 1 is a trace for size 1 only.
-            # This call is served by a trace for its small size (as Dynamo would recompile); the
-            # general trace waits for the first call with sizes >= 2.
-            if not self._small_before_general:
-                log.info(
-                    "%s: first call has dynamic size < 2 at %s; served by a trace for that size, "
-                    "the general trace waits for sizes >= 2",
-                    self.name,
-                    degenerate,
-                )
-            self._small_before_general += 1
-            return self._small_call(args, kwargs, choice.dims), None
-        self._context = TraceContext(compiler, root, prefix, print_, remote)
-        if known_path is not None:
-            log.info("%s: %s (recorded by an earlier process)", self.name, known_path)
-            if known_path.path == "guarded":
-                return self._start_guarded(args, kwargs, values, choice, known_path.reason)
-            return self._start_per_size(args, kwargs, known_path.reason)
-        try:
-            return self._trace(args, kwargs, values, choice), self._life.call
-        except SizeFixedError as e:
-            self._record_path("per_size", str(e))
-            return self._start_per_size(args, kwargs, str(e))
-        except UnsupportedModelError as e:
-            if self.compile_config.fullgraph or e.dynamo_error is None:
-                raise
-            self._record_path("guarded", str(e))
-            return self._start_guarded(args, kwargs, values, choice, str(e))
-
-    def _record_path(self, path: str, reason: str) -> None:
-        """Tell the next process which path this model takes (no one-graph trace to fail again)."""
-        root, print_ = self._context.root, self._context.fingerprint
-        if root is None or print_ is None:
-            return
-        try:
-            model_artifact.write_path(root, print_, path, reason)
-        except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
-            log.debug("%s: path not recorded (%s)", self.name, e)
-
-    def _choose(self, values: dict[str, Any]) -> DynamicChoice:
-        wanted = self._dynamic_dims
-        if self._soft_dims and wanted is not None:
-            # Suggested dims (tessera.hf): an argument that is not a tensor in this call (a
-            # mask passed as a dict of masks) has none.
-            wanted = {n: d for n, d in wanted.items() if isinstance(values.get(n), torch.Tensor)}
-        choice = choose_dynamic_dims(self._func, values, wanted)
-        dims = tuple(d for d in choice.dims if d not in self._static_dims)
-        return DynamicChoice(dims, choice.guessed or self._soft_dims)
-
-    def _small_child(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any] | None:
-        """The compiled forward of the small-size child whose check this call passes, if any."""
-        for child in tuple(self._small.values()):
-            fast = child._life.fast
-            if child._accepts is not None and fast is not None and child._accepts(args, kwargs):
-                return fast
-        return None
-
-    def _small_call(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], dims: Any, every_size: bool = False
-    ) -> Any:
-        """A call with a dynamic size under Dynamo's floor of 2: served by a model traced with
-        those dims static at this call's sizes (one per distinct combination, compiled once, and
-        cached as any model), since code may behave differently there (``x.squeeze()``).
-        ``every_size``: the code fixes the dims' sizes, so every size is served this way."""
-        values = bind_arguments(self._func, self._bound_to, args, kwargs)
-        small = frozenset(
-            (name, dim, int(values[name].shape[dim]))
-            for name, dim in dims
-            if isinstance(values.get(name), torch.Tensor) and (every_size or values[name].shape[dim] < 2)
+        model = Model(
+            self.name,
+            self._func,
+            self._bound_to,
+            self._target,
+            self._traced_fn,
+            self.signature,
+            self._owner(),
         )
-        with self._lock:
-            child = self._small.get(small)
-            if child is None:
-                label = "-".join(f"{name}{dim}x{size}" for name, dim, size in sorted(small))
-                log.info("%s: compiling for the size(s) %s alone", self.name, label)
-                prefix = f"{self.prefix or 'model'}-{'size' if every_size else 'small'}-{label}"
-                # The forward itself (a wrapper may stand in model.forward by now).
-                child = CompiledModel(self._target, self.compile_config, self._dynamic_dims, prefix, None)
-                child._static_dims = self._static_dims | {(name, dim) for name, dim, _ in small}
-                child._soft_dims, child._mark_nested = self._soft_dims, self._mark_nested
-                child._name = f"{self.name} (size {label})"
-                self._small[small] = child
-        return child(*args, **kwargs)
+        context = TraceContext(compiler, root, prefix, print_, remote)
+        return Traces(model, config, context, self._dynamic_dims, self._install, self._lock)
 
-    def _start_guarded(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        values: dict[str, Any],
-        choice: DynamicChoice,
-        reason: str,
-    ) -> tuple[Any, Callable[..., Any]]:
-        """Dynamo cannot trace the model as one graph (a graph break): run it as torch.compile
-        would, with Dynamo's guards and re-compiles, each graph split, compiled per size and
-        cached by tessera (dynamo_backend.py). Said once, naming every break and its line."""
-        from tessera.dynamo_backend import GraphCompiler
-
-        def on_graph(record: GraphReport, backend: PiecewiseBackend) -> None:
-            self._graphs.append((record, backend))
-
-        compiler = GraphCompiler(self.compile_config, self.prefix or "model", on_graph)
-        # A frame of our own: Dynamo's cache and guards for it are this model's alone.
-        compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
-        target, module = self._target, self._module
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if torch.is_grad_enabled():  # as the one-graph path: refused, or run as inference
-                self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
-                with torch.no_grad():
-                    return compiled(target, *args, **kwargs)
-            return compiled(target, *args, **kwargs)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if module is not None and hooks.active(module):
-                return hooks.call_with_hooks(module, run, args, kwargs)
-            return run(*args, **kwargs)
-
-        marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
-        start = time.perf_counter()
-        with _compat.dim_marks_restored(marked):
-            mark_dynamic(values, DynamicChoice(choice.dims, True))  # "maybe": Dynamo may keep one static
-            output = run(*args, **kwargs)
-        self.startup_phases["trace_and_compile"] = time.perf_counter() - start
-        breaks = [f"{r.source}: {r.reason}" for r, _ in self._graphs if r.graph_break]
-        warnings.warn(
-            f"{self.name} has graph breaks, so tessera runs it as torch.compile would: "
-            f"{len(self._graphs)} graph(s), each compiled and cached by tessera, Dynamo's guards kept. "
-            f"Breaks: {'; '.join(breaks) or reason}. Remove them for one graph "
-            "without guards, or pass fullgraph=True to refuse such models",
-            TesseraWarning,
-            stacklevel=4,
-        )
-        return output, call
-
-    def _start_per_size(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str
-    ) -> tuple[Any, Callable[..., Any]]:
-        """The code fixes the size of a dim marked dynamic (``x.view(1, 16, ...)``, a Python loop
-        over the sequence), so the trace failed: every size is served by a trace of its own."""
-        self._move(backend=None)
-        module = self._module
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if module is not None and hooks.active(module):
-                return hooks.call_with_hooks(module, self._per_size_call, args, kwargs)
-            return self._per_size_call(*args, **kwargs)
-
-        return self._per_size_call(*args, _reason=reason, **kwargs), call
-
-    def _dims_label(self) -> str:
-        return ", ".join(f"{name} dim {dim}" for name, dim in self.marked_dims) or "the arguments"
-
-    def _per_size_call(self, *args: Any, _reason: str = "", **kwargs: Any) -> Any:
-        """A call of a model whose code fixes a dynamic dim's size: one graph cannot serve every
-        size, so each size gets a trace of its own, as torch.compile recompiles per size, up to
-        MAX_SIZE_TRACES sizes; further sizes run eagerly. Both said once, as warnings: the user
-        asked for one graph and gets several, or none."""
-        child = self._small_child(args, kwargs)
-        if child is not None:
-            return child(*args, **kwargs)
-        if not self._per_size:
-            self._per_size = True
-            warnings.warn(
-                f"{_reason or self.name + ': the code fixes the size of a dim marked dynamic'}; tessera "
-                f"traces each size of {self._dims_label()} on its own (as torch.compile recompiles), "
-                f"up to {MAX_SIZE_TRACES} sizes, then runs further sizes eagerly",
-                TesseraWarning,
-                stacklevel=4,
-            )
-        if len(self._small) >= MAX_SIZE_TRACES:
-            if not self.eager_calls:
-                warnings.warn(
-                    f"{self.name}: {len(self._small)} sizes of {self._dims_label()} traced, the limit; "
-                    "further sizes run eagerly. Pad the inputs to a few sizes to serve them compiled",
-                    TesseraWarning,
-                    stacklevel=4,
-                )
-            self.eager_calls += 1
-            return self._target(*args, **kwargs)
-        return self._small_call(args, kwargs, self.marked_dims, every_size=True)
-
-    def _only_fixed_sizes(self, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
-        """Whether the call differs from the trace only in the size of dims marked dynamic that
-        the trace kept static: the code fixed them (a guessed dim is only "maybe dynamic")."""
-        return all(self._differs_in_marked_dims(a, found) for a, found in mismatches)
-
-    def _differs_in_marked_dims(self, assumption: call_check.Assumption, found: Any) -> bool:
-        match = re.fullmatch(r"(\w+\[[^\]]+\])\.shape(?:\[(\d+)\])?", assumption.expr)
-        dims = self._marked_paths.get(match.group(1), frozenset()) if match else frozenset()
-        if match is None or not dims:
-            return False
-        if match.group(2) is not None:  # one static dim of a tensor with dynamic ones
-            return int(match.group(2)) in dims
-        expected = assumption.expected
-        if not isinstance(found, torch.Size) or len(found) != len(expected):
-            return False
-        return all(f == e or d in dims for d, (f, e) in enumerate(zip(found, expected, strict=True)))
-
-    def _trace(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], choice: DynamicChoice
-    ) -> Any:
-        """The one Dynamo trace (or, when argument state changed, one more): install and save it."""
-        context = self._context
-        compiler, root, prefix, print_, remote = (
-            context.compiler,
-            context.root,
-            context.prefix,
-            context.fingerprint,
-            context.remote,
-        )
-        # A trace for small sizes alone (a size-1 decode) is its whole workload: compiled at once.
-        receiver = GraphReceiver(
-            self.compile_config, compiler, root, prefix, remote, serve_traced=self._name is None
-        )
-        start = time.perf_counter()
-        versions = _versions(args, kwargs)
-        marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
-        with COMPILE_LOCK, _compat.dim_marks_restored(marked):
-            mark_dynamic(values, choice, self.compile_config.dynamic_shapes)
-            if self._mark_nested is not None:
-                self._mark_nested(values)
-            trace = trace_once(
-                self._traced_fn,
-                receiver,
-                self._target,
-                args,
-                kwargs,
-                self._func.__qualname__,
-                self._recorder(args, kwargs, choice),
-                self._dynamic_state,
-                size_oblivious=self.compile_config.dynamic_shapes == "backed_size_oblivious",
-            )
-        self._mutated = _changed(versions, args, kwargs)
-        backend = receiver.received()
-        inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
-        self.startup_phases["trace"] = (
-            self.startup_phases.get("trace", 0.0) + time.perf_counter() - start - inside
-        )
-        spec: call_check.CallSpec = trace.guards
-        self._move(backend=backend)
-        self.warm_start, self._trace_code = False, trace.code
-        if backend.dumps is not None:
-            backend.dumps.transformed_code(trace.code)
-        self._install(
-            functools.partial(trace.call, self._target),
-            spec,
-            _compat.guard_globals(self._traced_fn.__globals__),
-        )
-        if print_ is None:
-            backend.start_background()
-            return trace.output
-        traced_fn, code = self._traced_fn, trace.code
-
-        def save() -> None:  # once every size is compiled (in the background, or now)
-            backend.save_artifact(print_, traced_fn, code, spec)
-            if remote is not None and root is not None and backend.entry is not None:
-                publish(remote, root, print_, backend.entry)
-            if self.first_call_seconds is not None and self.cache_dir is not None:
-                report = self._make_report()  # the record with every size, for `tessera report`
-                save_report(self.cache_dir, report.kind, json.dumps(report.as_dict(), indent=1))
-
-        if not backend.ready.is_set():
-            backend.artifact_status = "to be written once every size is compiled"
-        backend.start_background(save)
-        return trace.output
-
-    # -- the call check ------------------------------------------------------------------------
-    def _recorder(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice
-    ) -> Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], call_check.CallSpec]:
-        """What reads Dynamo's guards into the call spec: called during the trace, after the graph
-        is compiled and before the first call runs (so a model that appends to a list argument
-        is checked against the list as passed)."""
-        names = call_check.argument_names(self.signature, args, kwargs)
-        dynamic: dict[str, set[int]] = {}
-        for name, dim in choice.dims:
-            dynamic.setdefault(name, set()).add(dim)
-        self._marked_paths = {
-            path: frozenset(dynamic[name]) for path, name in names.items() if name in dynamic
-        }
-        state = _compat.call_state()
-
-        def read(
-            facts: list[_compat.GuardFact], symbols: dict[str, tuple[str | None, ...]], writes: bool
-        ) -> call_check.CallSpec:
-            symbolic = {name: tuple(s is not None for s in dims) for name, dims in symbols.items()}
-            translation = dynamo_guards.translate(
-                facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
-            )
-            spec = call_check.record(
-                args,
-                kwargs,
-                lambda path: names.get(path, path),
-                # Marked dims, and every dim the trace made symbolic (a tensor nested in a dict
-                # argument, a mask per attention type): Dynamo's guards bound those, not a size.
-                lambda path: (
-                    frozenset(dynamic.get(names.get(path, ""), ()))
-                    | frozenset(d for d, s in enumerate(symbols.get(path, ())) if s is not None)
-                ),
-                translation.assumptions,
-                translation.parents,
-                state,
-                writes,
-            )
-            # An assumption the very call it came from breaks is a translation tessera cannot
-            # check: say so (it would refuse every call), and keep the rest.
-            bound = spec.bind(self._target, _compat.guard_globals(self._traced_fn.__globals__))
-            broken = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
-            if broken:
-                log.warning("%s: guards tessera cannot re-check, not checked: %s", self.name, sorted(broken))
-                kept = tuple(a for a in spec.assumptions if a.expr not in broken)
-                spec = dataclasses.replace(spec, assumptions=kept)
-            self.dropped_guards = translation.dropped
-            return spec
-
-        return read
-
-    def _fits(
-        self, spec: call_check.CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The first call in the saved artifact's structure, or WarmStartUnavailable if it differs."""
-        try:
-            args, kwargs = call_check.normalise(self.signature, spec, args, kwargs)
-        except call_check.InputMismatchError as e:
-            raise WarmStartUnavailable(f"this call differs from the traced one: {e}") from e
-        if spec.global_state and spec.global_state != _compat.call_state():
-            state = call_check.explain_state(spec.global_state, _compat.call_state())
-            raise WarmStartUnavailable(f"the artifact was traced under another state: {state}")
-        try:
-            bound = spec.bind(self._target, _compat.guard_globals(self._traced_fn.__globals__))
-        except call_check.InputMismatchError as e:
-            raise WarmStartUnavailable(str(e)) from e
-        mismatches = spec.mismatches(args, kwargs, bound)
-        if mismatches:
-            raise WarmStartUnavailable(
-                f"this call differs from the traced one: {call_check.explain(mismatches)}"
-            )
-        return args, kwargs
-
-    def _install(
-        self, fast: Callable[..., Any], spec: call_check.CallSpec, globals_: dict[str, Any]
-    ) -> Callable[..., Any]:
-        """Every later call: root hooks as in eager, the call check, then the compiled forward."""
-        self._bound = spec.bind(self._target, globals_)
-        self._tensors = call_check.tensor_reader(spec, self._bound)
-        call = (
-            call_check.make_checked_call(spec, fast, self._slow_call, self._bound)
+    def _install(self, entry: TraceEntry) -> None:
+        """Every later call: root hooks as in eager, ``entry``'s check, then its forward; a call
+        the check refuses goes to the traces (another entry, or a new trace)."""
+        traces = self._traces
+        assert traces is not None, "installed by the traces"
+        checked = (
+            call_check.make_checked_call(entry.spec, entry.fast, traces.slow, entry.bound)
             if self.compile_config.check_inputs
-            else fast
+            else entry.fast
         )
-        checked = call
-        self._accepts = (
-            call_check.make_predicate(spec, self._bound) if self.compile_config.check_inputs else None
-        )
+        call = checked
         module = self._module
         if module is not None:
 
@@ -849,172 +471,33 @@ class CompiledModel:
                     return hooks.call_with_hooks(module, checked, args, kwargs)
                 return checked(*args, **kwargs)
 
-        self._move(call=call, checked=checked, fast=fast, spec=spec)
-        return call
+        self._move(call=call, spec=entry.spec)
 
-    def _refuse_if_grad_needed(self, tensors: Any) -> None:
-        """Raise GradientsNotSupportedError when a tensor the call reads requires grad (grad is on)."""
-        needing = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
-        if needing is not None:
-            owner = self._module if self._module is not None else self._bound_to
-            names = (
-                {id(p): n for n, p in owner.named_parameters()} if isinstance(owner, torch.nn.Module) else {}
-            )
-            what = (
-                f"parameter {names[id(needing)]}"
-                if id(needing) in names
-                else call_check.describe_tensor(needing)
-            )
-            raise call_check.GradientsNotSupportedError(
-                f"{self.name}: called with grad enabled and {what} requires grad, so eager's result "
-                "would carry gradients. tessera "
-                "compiles inference graphs: call it under torch.inference_mode() or torch.no_grad(), "
-                "freeze the parameters (model.requires_grad_(False)), or use mode='stock' to train"
-            )
-
-    def _slow_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A call that failed the quick check: under another state, with grad enabled, in another
-        structure or layout, or refused."""
-        child = self._small_child(args, kwargs)
-        if child is not None:
-            return child(*args, **kwargs)
-        life = self._life
-        spec, checked, fast = life.spec, life.checked, life.fast
-        assert spec is not None and checked is not None and fast is not None, "runs after a trace"
-        state = _compat.call_state()
-        if spec.global_state and state != spec.global_state:
-            raise call_check.StateMismatchError(
-                f"{self.name}: {call_check.explain_state(spec.global_state, state)}. "
-                "tessera traced the model once, under the first call's state, and that state is baked "
-                "into its graph: call it under the same state, or compile another instance for this one"
-            )
-        if torch.is_grad_enabled():
-            self._refuse_if_grad_needed(self._tensors(args, kwargs))
-            self._refuse_if_grad_needed(_grad_tensors((args, kwargs)))
-            with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
-                return checked(*args, **kwargs)
-        args, kwargs = call_check.normalise(self.signature, spec, args, kwargs)
-        mismatches = spec.mismatches(args, kwargs, self._bound)
-        if mismatches:
-            args, kwargs = self._fix_layouts(args, kwargs, mismatches)
-            mismatches = spec.mismatches(args, kwargs, self._bound)
-        if not mismatches:
-            return fast(*args, **kwargs)
-        if all(a.floor for a, _ in mismatches):
-            return self._small_call(args, kwargs, self.marked_dims)
-        if self._only_fixed_sizes(mismatches):
-            return self._per_size_call(*args, **kwargs)
-        changed = [
-            a.expr
-            for a, found in mismatches
-            if a.state and validation.is_int(a.expected) and validation.is_int(found)
-        ]
-        retrace = self._state_retraces < MAX_STATE_RETRACES and _compat.supports_dynamic_state()
-        if retrace and len(changed) == len(mismatches):
-            return self._retrace_for_state(args, kwargs, changed)
-        raise call_check.InputMismatchError(f"{self.name}: {call_check.explain(mismatches)}")
-
-    def _fix_layouts(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mismatches: list[tuple[call_check.Assumption, Any]],
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Arguments whose only difference is their layout, copied into the traced layout (the
-        compiled code assumes it). An argument the model writes to is not copied: the write would
-        miss the caller's tensor, so the check refuses it."""
-        positional, keywords = list(args), dict(kwargs)
-        for assumption, _ in mismatches:
-            path = call_check.layout_path(assumption)
-            if path is None or path in self._mutated or (self.call_spec and self.call_spec.writes_in_place):
-                continue
-            kind, key = path
-            if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
-                positional[int(key)] = call_check.to_layout(positional[int(key)], assumption.expected)
-            elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
-                keywords[key] = call_check.to_layout(keywords[key], assumption.expected)
-        return tuple(positional), keywords
-
-    def _retrace_for_state(self, args: tuple[Any, ...], kwargs: dict[str, Any], changed: list[str]) -> Any:
-        """A Python int the trace read from an argument object changed (a StaticCache's length):
-        trace once more with it as a symbol, as Dynamo's automatic dynamic shapes would."""
-        with self._lock:
-            self._state_retraces += 1
-            self._dynamic_state = tuple(dict.fromkeys((*self._dynamic_state, *changed)))
-            log.info(
-                "%s: %s changed since the first call; tracing once more with %d argument int(s) symbolic",
-                self.name,
-                changed[0],
-                len(self._dynamic_state),
-            )
-            values = bind_arguments(self._func, self._bound_to, args, kwargs)
-            self._move(stage=Stage.RETRACING)
-            try:
-                output = self._trace(args, kwargs, values, self._choose(values))
-            finally:
-                self._move(stage=Stage.READY)  # the earlier trace's path still serves if this failed
-            self._counters = counter_delta(self._counters_before, counters.snapshot())
-            return output
-
-
-def _grad_tensors(obj: Any, depth: int = 0) -> Any:
-    """Every tensor ``obj`` holds that could carry gradients: tensors in containers, a module's
-    parameters and buffers, a function's closure (bounded depth: this runs with grad enabled)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, torch.nn.Module):
-        yield from obj.parameters()
-    elif depth > 4:
-        return
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _grad_tensors(item, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _grad_tensors(item, depth + 1)
-    elif isinstance(obj, types.MethodType):
-        yield from _grad_tensors(obj.__self__, depth + 1)
-        yield from _grad_tensors(obj.__func__, depth + 1)
-    elif isinstance(obj, types.FunctionType):
-        for cell in obj.__closure__ or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            yield from _grad_tensors(contents, depth + 1)
-
-
-def _top_level_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for i, value in enumerate(args):
-        if isinstance(value, torch.Tensor):
-            yield ("args", str(i)), value
-    for key, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            yield ("kwargs", key), value
-
-
-def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
-    """The version counter of each top-level tensor argument (in-place writes bump it)."""
-    out = {}
-    for path, tensor in _top_level_tensors(args, kwargs):
+    def _record_guarded(self, reason: str) -> None:
+        """Tell the next process this model takes the guarded path (no one-graph trace to fail)."""
+        context = self._traces.context if self._traces is not None else None
+        if context is None or context.root is None or context.fingerprint is None:
+            return
         try:
-            out[path] = tensor._version
-        except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
-            continue
-    return out
+            model_artifact.write_path(context.root, context.fingerprint, "guarded", reason)
+        except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
+            log.debug("%s: path not recorded (%s)", self.name, e)
 
-
-def _changed(
-    before: dict[tuple[str, str], int], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> frozenset[tuple[str, str]]:
-    """The arguments whose version moved since ``before``: the ones the model writes to."""
-    return frozenset(
-        path for path, tensor in _top_level_tensors(args, kwargs) if before.get(path, -1) != _version(tensor)
-    )
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:
-        return -1
+    def _start_guarded(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], reason: str
+    ) -> tuple[Any, Callable[..., Any]]:
+        assert self._traces is not None
+        choice = self._traces.choose(values)
+        output, call, seconds = start_guarded(
+            self.name,
+            self.compile_config,
+            self.prefix or "model",
+            self._target,
+            self._module,
+            (args, kwargs, values),
+            choice,
+            reason,
+            self._graphs,
+        )
+        self.startup_phases["trace_and_compile"] = seconds
+        return output, call

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import pickle
@@ -105,6 +106,7 @@ class GraphReceiver:
     prefix: str
     remote: RemoteTier | None = None
     serve_traced: bool = False
+    fingerprint: str | None = None  # the model's: its traces' entries are its own
     backend: PiecewiseBackend | None = None  # None until Dynamo has called
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -117,6 +119,7 @@ class GraphReceiver:
             self.prefix,
             remote=self.remote,
             serve_traced=self.serve_traced,
+            fingerprint=self.fingerprint,
         )
         self.backend = backend
         assert backend.split_forward is not None
@@ -206,6 +209,7 @@ class PiecewiseBackend:
         *,
         remote: RemoteTier | None = None,
         serve_traced: bool = False,
+        fingerprint: str | None = None,
     ) -> PiecewiseBackend:
         """A complete backend from Dynamo's traced graph: split at the splitting ops, its cache
         entry made, every piece compiled or loaded (or, in the background, left for
@@ -239,6 +243,10 @@ class PiecewiseBackend:
             factors = collect_factors(
                 config, compiler.name, compiler.compute_hash(), sources, graph_signature(gm)
             )
+            if fingerprint is not None:
+                # One model's traces share an entry where their graphs are the same; another
+                # model's identical graph gets its own (its whole-model artifact differs).
+                factors["model"] = fingerprint
             entry = CacheEntry.create(cache_root, prefix, factors, split_dump, sources)
         backend = cls(
             config,
@@ -637,36 +645,7 @@ class PiecewiseBackend:
 
     # -- warm path -----------------------------------------------------------------------------
     @classmethod
-    def from_artifact(
-        cls,
-        config: CompileConfig,
-        compiler: Compiler,
-        cache_root: Path,
-        prefix: str,
-        fingerprint: str,
-        traced_fn: types.FunctionType,
-    ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
-        """A complete backend, the traced frame's callable and what the trace assumed of a call,
-        rebuilt from the whole-model artifact.
-
-        Raises WarmStartUnavailable (the reason) without side effects on any other backend; a
-        refusal of an artifact that was found is a fallback, counted (``warm_start_fallbacks``) and,
-        when it is not damage or a changed model, warned once. A compiler whose ``load`` fails on a
-        sound file raises ``CompilerError`` (see artifact_cache.py): tracing again would not cure it.
-        """
-        try:
-            entry_path = model_artifact.read_pointer(cache_root, fingerprint)
-            if entry_path is None:
-                raise model_artifact.NoArtifactYet("no whole-model artifact for this model yet")
-            return cls._from_entry(config, compiler, cache_root, prefix, entry_path, traced_fn)
-        except (model_artifact.NoArtifactYet, model_artifact.OtherPath):
-            raise  # a cold start, or a model recorded to run on another path: no fallback
-        except WarmStartUnavailable:
-            counters.bump("warm_start_fallbacks")
-            raise
-
-    @classmethod
-    def _from_entry(
+    def from_entry(
         cls,
         config: CompileConfig,
         compiler: Compiler,
@@ -674,7 +653,16 @@ class PiecewiseBackend:
         prefix: str,
         entry_path: Path,
         traced_fn: types.FunctionType,
+        model_sha: str = "",
     ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
+        """A complete backend, the traced frame's callable and what the trace assumed of a call,
+        rebuilt from the whole-model artifact in ``entry_path`` (``model_sha``: the artifact's
+        sha256 as the pointer recorded it; another model with the same graph may have replaced it).
+
+        Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
+        compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
+        artifact_cache.py): tracing again would not cure it.
+        """
         start = time.perf_counter()
         try:
             entry = CacheEntry.open_existing(entry_path)
@@ -682,6 +670,8 @@ class PiecewiseBackend:
         except EntryUnusable as e:
             raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
         read = time.perf_counter()
+        if model_sha and hashlib.sha256(data).hexdigest() != model_sha:
+            raise WarmStartUnavailable(f"entry {entry_path} holds another trace's whole-model artifact now")
         saved = model_artifact.loads(data)
         backend = cls(
             config,
@@ -752,18 +742,24 @@ class PiecewiseBackend:
 
     # -- the whole-model artifact --------------------------------------------------------------
     def save_artifact(
-        self, fingerprint: str, traced_fn: types.FunctionType, code: types.CodeType, spec: CallSpec
-    ) -> None:
-        """After a trace: write the whole-model artifact and the fingerprint's pointer to it."""
+        self,
+        fingerprint: str,
+        traced_fn: types.FunctionType,
+        code: types.CodeType,
+        spec: CallSpec,
+        reason: str = "the first call",
+    ) -> bool:
+        """After a trace: write the whole-model artifact and add it to the fingerprint's pointer
+        (``reason``: why the trace was made). Whether both were written."""
         entry, split_gm = self.entry, self.split_gm
         if entry is None or split_gm is None or self.cache_root is None:
-            return
+            return False
         start = time.perf_counter()
         unsaved = [i.name for i in self.items if not i.is_splitting and not self._saved(i)]
         if unsaved:
             self.artifact_status = f"not written: {unsaved} were not saved by compiler {self.compiler.name}"
             log.info("no whole-model artifact: %s", self.artifact_status)
-            return
+            return False
         try:
             portable: PortableCode = capture_code(code, traced_fn)
             saved: ModelArtifact = model_artifact.make(
@@ -779,7 +775,7 @@ class PiecewiseBackend:
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
             self.artifact_status = f"not written: {e}"
             log.info("no whole-model artifact (the next process traces again): %s", e)
-            return
+            return False
         try:
             blob = model_artifact.dumps(saved)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -787,16 +783,18 @@ class PiecewiseBackend:
             # defined inside a function): this process runs; the next one traces again.
             self.artifact_status = f"not written: the call check holds a value that cannot be saved ({e})"
             log.info("no whole-model artifact (the next process traces again): %s", e)
-            return
+            return False
         try:
             entry.write_model(blob)
-            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path)
+            sha = hashlib.sha256(blob).hexdigest()
+            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path, reason, sha)
         except OSError as e:  # the model runs; the next process traces again
             self.artifact_status = f"not written: {e.strerror}"
             warn_write_failed(entry.path, e)
-        else:
-            self.artifact_status = "written"
+            return False
+        self.artifact_status = "written"
         self.phases["whole_model_artifact"] = time.perf_counter() - start
+        return True
 
     def _saved(self, item: SplitItem) -> bool:
         record = self.records.get(item.name)

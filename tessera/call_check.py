@@ -415,9 +415,8 @@ def normalise(
         extra = values.pop(var_positional, ())
         if len(args) != spec.num_args and len(extra):
             raise InputMismatchError(
-                f"*{var_positional}: the first call passed {spec.num_args} positional argument(s), this "
-                f"call {len(args)}; tessera traced the model once for the first call's arguments. "
-                "Compile another instance for calls with more, or use mode='stock'"
+                f"*{var_positional}: the trace saw {spec.num_args} positional argument(s), "
+                f"this call {len(args)}"
             )
     keywords: dict[str, Any] = {}
     for key in spec.keywords:
@@ -428,24 +427,18 @@ def normalise(
         elif key in signature.parameters and signature.parameters[key].default is not inspect.Parameter.empty:
             keywords[key] = signature.parameters[key].default
         else:
-            raise InputMismatchError(
-                f"argument {key!r}: the first call passed it, this call does not; tessera traced the "
-                "model once for the first call's arguments. Pass it, or compile another instance for "
-                "calls without it"
-            )
+            raise InputMismatchError(f"argument {key!r}: the trace saw it passed, this call does not pass it")
     leftover = {**values, **extra_keywords}
     for key, value in leftover.items():
         declared = signature.parameters.get(key)
         if declared is not None and declared.default is not declared.empty and _same(value, declared.default):
             continue  # passed explicitly with its default: what the trace saw
         raise InputMismatchError(
-            f"argument {key!r}: the first call left it out, this call passes {_short(value)}; "
-            "tessera traced the model once without it, so it would be ignored. Pass it in the first "
-            "call too, compile another instance for calls with it, or use mode='stock'"
+            f"argument {key!r}: the trace was made without it, this call passes {_short(value)}"
         )
     if len(positional) != spec.num_args:
         raise InputMismatchError(
-            f"the first call passed {spec.num_args} positional argument(s), this call {len(positional)}"
+            f"the trace saw {spec.num_args} positional argument(s), this call passes {len(positional)}"
         )
     return tuple(positional), keywords
 
@@ -473,37 +466,28 @@ def describe_tensor(tensor: torch.Tensor) -> str:
 
 
 def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
-    """One message for the first broken assumption (and how many more there are)."""
+    """The first broken assumption in words (and how many more there are)."""
     assumption, found = mismatches[0]
     more = f" ({len(mismatches) - 1} more difference(s))" if len(mismatches) > 1 else ""
+    expected = _short(assumption.expected)
+    return f"{assumption.label}: the trace assumed {expected}, this call has {_short(found)}{more}"
+
+
+def advice(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
+    """What a user can do about a call no trace covers, past the limit of traces."""
+    if not mismatches:
+        return "pass the arguments as an earlier call did"
+    assumption = mismatches[0][0]
     if ": layout" in assumption.label:
-        advice = (
-            "pass a tensor in the traced layout (.contiguous() for most); tessera copies a top-level "
-            "argument into it itself unless the model writes to that argument"
-        )
-    elif assumption.label.startswith(("model.", "function.")):
-        advice = (
+        return "pass a tensor in the traced layout (.contiguous() for most)"
+    if assumption.label.startswith(("model.", "function.")):
+        return (
             "the model changed after tessera.compile (a parameter's dtype or device, a setting): "
             "compile it again"
         )
-    elif assumption.label.endswith(": shape") and re.match(r"^\w+[.\[]", assumption.label):
-        # A tensor held inside an argument object: most often a KV cache that grew by a step.
-        advice = (
-            "a tensor inside an argument object changed shape (a DynamicCache grows at every step): "
-            "use a StaticCache, or compile with that size dynamic (hf.compile_causal_lm(model) keeps "
-            "the sequence dynamic)"
-        )
-    elif "size of dim" in assumption.label:
-        advice = "mark that dim dynamic (dynamic_dims={...}), compile another instance for this shape"
-    elif assumption.state:
-        advice = "compile another instance for this state"
-    else:
-        advice = "convert the input to what the first call passed, or compile another instance for it"
-    return (
-        f"{assumption.label}: the trace assumed {_short(assumption.expected)}, this call has "
-        f"{_short(found)}{more}. tessera traces a model once and checks each call against what that "
-        f"trace assumed: {advice}, or use mode='stock' (Dynamo re-traces as needed)"
-    )
+    if "size of dim" in assumption.label or assumption.label.endswith(": shape"):
+        return "mark the dims that vary dynamic (dynamic_dims={...}), or pad inputs to fewer shapes"
+    return "convert the input to what an earlier call passed"
 
 
 def _short(value: Any) -> str:

@@ -100,6 +100,11 @@ class CompileConfig:
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     passes: Sequence[Any] = ()
     check_inputs: bool = True  # compare every call with what the trace assumed (see call_check.py)
+    # Traces one model may hold (traces.py): a call no trace covers is traced again, as Dynamo
+    # recompiles, up to this many; past it the call is refused naming every trace and why it was
+    # made. 1: trace once and refuse any call unlike the first (never a re-trace). Dynamo's
+    # recompile limit is 8.
+    max_traces: int = field(default_factory=lambda: v.env_value("MAX_TRACES", 8, int, v.check_max_traces))
     dynamic_shapes: str = field(
         default_factory=lambda: v.env_value(
             "DYNAMIC_SHAPES", "backed", check=lambda m: v.check_choice("dynamic_shapes", m, DYNAMIC_SHAPES)
@@ -143,6 +148,7 @@ class CompileConfig:
         v.check_bool("background_compile", self.background_compile)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
         v.check_workers(self.compile_workers)
+        v.check_max_traces(self.max_traces)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
             "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),

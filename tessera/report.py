@@ -58,6 +58,16 @@ class GraphReport:
 
 
 @dataclass(frozen=True)
+class TraceReport:
+    """One trace a model holds (traces.py): why it was made, and whether it was loaded."""
+
+    number: int  # in the order this process made or loaded them, from 1
+    reason: str  # "the first call", or the assumption of the nearest trace the call broke
+    source: str  # "traced" (Dynamo ran in this process) or "loaded" (the whole-model artifact)
+    cache_entry: str | None
+
+
+@dataclass(frozen=True)
 class CompileReport:
     """Cold or warm, seconds per phase, every artifact, this model's counters, the cache entry."""
 
@@ -78,6 +88,7 @@ class CompileReport:
     background: str = "none"  # "none", "running", "done", or "failed: <why>"
     all_sizes_ready_seconds: float | None = None  # from the first call's start; None until ready
     fallbacks: tuple[Fallback, ...] = ()  # piece artifacts the cache held but could not serve
+    traces: tuple[TraceReport, ...] = ()  # every trace the model holds, and why each was made
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -106,8 +117,9 @@ class CompileReport:
             later = f"; every size ready at {self.all_sizes_ready_seconds:.2f}s"
         elif self.background.startswith("failed"):
             later = f"; background compile {self.background}"
+        traces = f"{len(self.traces)} traces, " if len(self.traces) > 1 else ""
         return (
-            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s{later} ({graphs}"
+            f"{self.model}: {self.kind} start in {self.total_seconds:.2f}s{later} ({graphs}{traces}"
             f"{self.pieces} pieces, {self.compiled_pieces} compiled by {self.backend}; "
             f"artifacts: {compiled} compiled, {shared} shared, {loaded} loaded; "
             f"whole-model artifact {self.whole_model_artifact}; {self._fallback_words()}"

@@ -118,6 +118,14 @@ def check_workers(value: Any) -> None:
         )
 
 
+def check_max_traces(value: Any) -> None:
+    if not is_int(value) or value < 1:
+        raise ConfigError(
+            f"max_traces={value!r} must be a positive integer (1: trace once, refuse calls unlike "
+            "the first; 8 by default, Dynamo's recompile limit)"
+        )
+
+
 def check_max_size(value: Any) -> None:
     if value is not None and (not is_int(value) or value < 1):
         raise ConfigError(f"max_size={value!r} must be a positive integer or None")

@@ -156,9 +156,12 @@ class Trace:
     guards: Any  # what ``on_guards`` made of Dynamo's guards, before the first call ran
 
 
-# on_guards(facts, symbols, writes): Dynamo's guards; per graph input, each dim's symbol (None:
-# static); whether the graph writes in place to anything.
-GuardReader = Callable[[list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool], Any]
+# on_guards(facts, symbols, writes, not_at_one): Dynamo's guards; per graph input, each dim's
+# symbol (None: static); whether the graph writes in place to anything; the symbols the graph
+# treats differently at size 1 (see size_one_symbols).
+GuardReader = Callable[
+    [list[_compat.GuardFact], dict[str, tuple[str | None, ...]], bool, frozenset[str]], Any
+]
 
 
 def trace_once(
@@ -193,16 +196,19 @@ def trace_once(
             captured.append(new)
 
     writes: list[bool] = []
+    not_at_one: set[str] = set()
 
     def inputs_then_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         symbolic.update(_compat.placeholder_dims(gm))
         writes.append(graph_writes_in_place(gm))
+        not_at_one.update(size_one_symbols(gm))
         return backend(gm, example_inputs)
 
     def drop_guards(entries: list[Any]) -> list[bool]:
         # Every guard is dropped; on_guards turns them into tessera's call check first.
         try:
-            read.append(on_guards([_compat.guard_fact(e) for e in entries], symbolic, any(writes)))
+            facts = [_compat.guard_fact(e) for e in entries]
+            read.append(on_guards(facts, symbolic, any(writes), frozenset(not_at_one)))
         except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
             failed.append(e)
         return [False] * len(entries)
@@ -246,6 +252,42 @@ def trace_once(
     if not captured or not read:
         raise UnsupportedModelError(f"Dynamo did not trace {name}; tessera needs the forward in one graph")
     return Trace(output, _as_function(captured[-1], entry), captured[-1], read[-1])
+
+
+# Ops whose result depends on whether a size is 1, decided inside torch where no guard is left:
+# traced size-obliviously, ``x.squeeze()`` keeps a symbolic dim (as if it were not 1).
+_SIZE_ONE_OPS = frozenset({"squeeze", "squeeze_"})
+
+
+def size_one_symbols(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The size symbols Dynamo's graph passes to an op that behaves differently at size 1.
+
+    A size-oblivious trace (``_compat.single_trace_settings``) makes Python's decisions on a size
+    guards (``if x.shape[0] > 1`` becomes ``2 <= x.size()[0]``, checked per call) and decides
+    inside torch as if the size were not 0 or 1: right at 1 for every op but those that drop or
+    keep a dim by its size. Those are found here, and their sizes bounded to >= 2 (traces.py)."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if name not in _SIZE_ONE_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        value = node.args[0].meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            continue
+        dims: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if dims is None:
+            dims = range(value.dim())
+        elif isinstance(dims, int):
+            dims = (dims,)
+        for d in dims:
+            if not isinstance(d, int) or not -value.dim() <= d < value.dim():
+                continue
+            size = value.shape[d]
+            if isinstance(size, torch.SymInt):
+                out.update(str(s) for s in _compat.sym_expr(size).free_symbols)
+    return frozenset(out)
 
 
 def graph_writes_in_place(gm: torch.fx.GraphModule) -> bool:

@@ -274,10 +274,29 @@ def pointer_path(root: Path, fingerprint: str) -> Path:
     return root / WARM_DIR / f"{fingerprint[:32]}.json"
 
 
-def write_pointer(root: Path, fingerprint: str, entry_path: Path) -> None:
-    """Record which entry this fingerprint leads to (path relative to the root)."""
+# The traces a fingerprint keeps, at most (the newest): a model holds up to CompileConfig.max_traces.
+MAX_POINTER_ENTRIES = 16
+
+
+def write_pointer(
+    root: Path, fingerprint: str, entry_path: Path, reason: str = "the first call", model_sha: str = ""
+) -> None:
+    """Add ``entry_path`` (one trace of the model, made because of ``reason``; its whole-model
+    artifact's sha256) to the traces this fingerprint leads to. Many processes may add at once:
+    read, merge and replace under a lock."""
+    from filelock import FileLock
+
+    path = pointer_path(root, fingerprint)
     relative = entry_path.relative_to(root).as_posix()
-    atomic_write(pointer_path(root, fingerprint), json.dumps({"entry": relative}).encode())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        try:
+            entries = [e for e in _read_entries(path) if e["entry"] != relative]
+        except (WarmStartUnavailable, OtherPath):
+            entries = []
+        entries.append({"entry": relative, "reason": reason, "model": model_sha})
+        body = {"entries": entries[-MAX_POINTER_ENTRIES:]}
+        atomic_write(path, json.dumps(body, indent=1).encode())
 
 
 class NoArtifactYet(WarmStartUnavailable):
@@ -286,8 +305,8 @@ class NoArtifactYet(WarmStartUnavailable):
 
 class OtherPath(WarmStartUnavailable):
     """This fingerprint's model runs on a path without a whole-model artifact: ``"guarded"``
-    (graph breaks) or ``"per_size"`` (the code fixes a dynamic size). Recorded so that the next
-    process goes there at once instead of failing the one-graph trace again."""
+    (graph breaks). Recorded so that the next process goes there at once instead of failing the
+    one-graph trace again."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"the model runs on the {path} path: {reason}")
@@ -295,7 +314,7 @@ class OtherPath(WarmStartUnavailable):
         self.reason = reason
 
 
-PATHS = ("guarded", "per_size")
+PATHS = ("guarded",)
 
 
 def write_path(root: Path, fingerprint: str, path: str, reason: str) -> None:
@@ -303,21 +322,46 @@ def write_path(root: Path, fingerprint: str, path: str, reason: str) -> None:
     atomic_write(pointer_path(root, fingerprint), json.dumps({"path": path, "reason": reason}).encode())
 
 
-def read_pointer(root: Path, fingerprint: str) -> Path | None:
-    """The entry a fingerprint leads to; None if there is none (or it was removed)."""
-    path = pointer_path(root, fingerprint)
+def _read_entries(path: Path) -> list[dict[str, str]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("path") in PATHS:
             raise OtherPath(data["path"], str(data.get("reason", "")))
-        relative = Path(data["entry"])
+        if "entries" in data:
+            entries = [
+                {
+                    "entry": str(e["entry"]),
+                    "reason": str(e.get("reason", "")),
+                    "model": str(e.get("model", "")),
+                }
+                for e in data["entries"]
+            ]
+        else:  # one trace, as written before a model held several
+            entries = [{"entry": str(data["entry"]), "reason": "the first call", "model": ""}]
     except (FileNotFoundError, NotADirectoryError):
-        return None
+        return []
     except OSError as e:  # unreadable root: creating the entry will say so, once
         raise WarmStartUnavailable(f"{path} is not readable ({e.strerror})") from e
     except (ValueError, KeyError, TypeError) as e:
         report_damage(path, f"unreadable ({type(e).__name__})")
         raise WarmStartUnavailable(f"{path} is unreadable") from e
-    if relative.is_absolute() or ".." in relative.parts:
-        raise WarmStartUnavailable(f"{path} points outside the cache")
-    return root / relative
+    return entries
+
+
+def read_entries(root: Path, fingerprint: str) -> list[tuple[Path, str, str]]:
+    """Every trace a fingerprint leads to (entry path, why it was made, its whole-model artifact's
+    sha256 or ""), oldest first; raises OtherPath for a model recorded to run on another path."""
+    path = pointer_path(root, fingerprint)
+    out = []
+    for item in _read_entries(path):
+        relative = Path(item["entry"])
+        if relative.is_absolute() or ".." in relative.parts:
+            raise WarmStartUnavailable(f"{path} points outside the cache")
+        out.append((root / relative, item["reason"], item["model"]))
+    return out
+
+
+def read_pointer(root: Path, fingerprint: str) -> Path | None:
+    """The first trace's entry a fingerprint leads to; None if there is none."""
+    entries = read_entries(root, fingerprint)
+    return entries[0][0] if entries else None

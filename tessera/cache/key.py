@@ -41,10 +41,11 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
-# 8 and 7: the whole-model artifact moved to formats 8 and 7 (old pointers are a clean miss, not a
+# 9: the calls left out (one pointer lists every trace of a model); 8 and 7: the whole-model
+# artifact moved to formats 8 and 7 (old pointers are a clean miss, not a
 # fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
 # state
-FINGERPRINT_FORMAT = 8
+FINGERPRINT_FORMAT = 9
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -373,19 +374,16 @@ def _module_state(model: torch.nn.Module) -> list[Any]:
 def fingerprint_record(
     func: types.FunctionType,
     bound_to: object | None,
-    arguments: Mapping[str, Any],
-    marked: Sequence[tuple[str, int]],
+    dynamic_dims: Mapping[str, Any] | None,
     config: CompileConfig,
     compiler_hash: str,
     prefix: str,
     rank: str,
 ) -> KeyRecord:
-    """All that decides the traced graph and is known before tracing; its ``digest`` names the
-    warm pointer of a model and call."""
+    """All that decides a model's traces and is known before any call; its ``digest`` names the
+    warm pointer that lists them. The calls are not in it: each trace's check (call_check.py)
+    says which calls it serves, so every kind of call a model saw is found from one pointer."""
     code = func.__code__
-    dynamic: dict[str, set[int]] = {}
-    for name, dim in marked:
-        dynamic.setdefault(name, set()).add(dim)
     factors = {
         "format": FINGERPRINT_FORMAT,
         "python": platform.python_version(),
@@ -398,7 +396,7 @@ def fingerprint_record(
         "closure": [describe(c.cell_contents, depth=2) for c in (func.__closure__ or ())],
         "defaults": describe(func.__defaults__),
         "model": _module_state(bound_to) if isinstance(bound_to, torch.nn.Module) else repr(type(bound_to)),
-        "inputs": [(n, describe(v, frozenset(dynamic.get(n, ())))) for n, v in arguments.items()],
+        "dynamic_dims": repr(sorted((dynamic_dims or {}).items())),
         # The global state the graph bakes in (autocast on any device, default dtype, function
         # modes). Grad mode is not: tessera traces inference graphs whatever the caller's mode.
         "state": repr(_compat.call_state()),

@@ -246,7 +246,7 @@ def _legacy_writer_alive(pid: int, path: Path) -> bool:
 def remove_dangling_pointers(root: Path) -> list[Path]:
     """Remove ``warm/`` pointers to entries that no longer exist (or that cannot be read).
 
-    Records of a model's path (graph breaks, per-size traces) point to no entry and are kept.
+    Records of a model's path (graph breaks) point to no entry and are kept.
     """
     removed = []
     for pointer in sorted((root / WARM_DIR).glob("*.json")):
@@ -257,7 +257,9 @@ def remove_dangling_pointers(root: Path) -> list[Path]:
                 data = json.loads(f.read().decode("utf-8"))
             if isinstance(data, dict) and data.get("path") in PATHS:
                 continue
-            target = root / data["entry"]
+            listed = data.get("entries", [data])
+            # Dangling when every trace it lists is gone (a live one still starts warm).
+            target = next((root / e["entry"] for e in listed if (root / e["entry"]).is_dir()), None)
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError):

@@ -1,0 +1,72 @@
+"""The guarded path: a model Dynamo cannot trace as one graph (a graph break) runs as
+``torch.compile`` would, Dynamo's guards and re-compiles kept, each graph split, compiled per size
+and cached by tessera (dynamo_backend.py). The model's traces (traces.py) hold no entry for it:
+Dynamo's cache is the home of its graphs, and the model's report lists them."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tessera import _compat, hooks
+from tessera.backend import PiecewiseBackend
+from tessera.config import CompileConfig
+from tessera.errors import TesseraWarning
+from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.report import GraphReport
+from tessera.wrapper import DynamicChoice, entry_frame, mark_dynamic
+
+
+def start_guarded(
+    name: str,
+    config: CompileConfig,
+    prefix: str,
+    target: Callable[..., Any],
+    module: torch.nn.Module | None,
+    call: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]],
+    choice: DynamicChoice,
+    reason: str,
+    graphs: list[tuple[GraphReport, PiecewiseBackend]],
+) -> tuple[Any, Callable[..., Any], float]:
+    """Run the first call ``(args, kwargs, bound values)`` through Dynamo with tessera compiling
+    each graph (appended to ``graphs``); the output, the call for later calls, and the seconds it
+    took. Said once, naming every break and its line."""
+    from tessera.dynamo_backend import GraphCompiler
+
+    args, kwargs, values = call
+    compiler = GraphCompiler(config, prefix, lambda record, backend: graphs.append((record, backend)))
+    # A frame of our own: Dynamo's cache and guards for it are this model's alone.
+    compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # as the one-graph path: refused, or run as inference
+            refuse_if_grad_needed(name, module, grad_tensors((args, kwargs)))
+            with torch.no_grad():
+                return compiled(target, *args, **kwargs)
+        return compiled(target, *args, **kwargs)
+
+    def served(*args: Any, **kwargs: Any) -> Any:
+        if module is not None and hooks.active(module):
+            return hooks.call_with_hooks(module, run, args, kwargs)
+        return run(*args, **kwargs)
+
+    marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
+    start = time.perf_counter()
+    with _compat.dim_marks_restored(marked):
+        mark_dynamic(values, DynamicChoice(choice.dims, True))  # "maybe": Dynamo may keep one static
+        output = run(*args, **kwargs)
+    seconds = time.perf_counter() - start
+    breaks = [f"{r.source}: {r.reason}" for r, _ in graphs if r.graph_break]
+    warnings.warn(
+        f"{name} has graph breaks, so tessera runs it as torch.compile would: "
+        f"{len(graphs)} graph(s), each compiled and cached by tessera, Dynamo's guards kept. "
+        f"Breaks: {'; '.join(breaks) or reason}. Remove them for one graph "
+        "without guards, or pass fullgraph=True to refuse such models",
+        TesseraWarning,
+        stacklevel=5,
+    )
+    return output, served, seconds

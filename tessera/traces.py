@@ -1,0 +1,679 @@
+"""The one owner of a model's traces.
+
+Every trace of a model (the first, and each one made later) is a ``TraceEntry``: the compiled
+forward and the check of what its trace assumed (call_check.py). A call runs the entry whose check
+passes, trying the one that served last first, so the steady state is one generated comparison. A
+call that no entry covers is traced once more, as Dynamo recompiles: the dims and argument ints
+that changed are traced as symbols this time (Dynamo's automatic dynamic shapes), the entry is
+compiled, cached, saved for the next process (warm.py) and added, and why it was made (the
+assumption the nearest entry did not hold) is logged once and listed in the report. Past
+``CompileConfig.max_traces`` a call is refused, naming every entry and why it was made.
+
+Sizes 0 and 1 need no entry of their own where the trace allows them: the trace is made
+size-obliviously (the model's Python decisions on a size are guards; torch's own assume a size
+other than 0 or 1), and the few ops whose result depends on a size being 1 bound it
+(``wrapper.size_one_symbols``). A model that branches on 1 gets an entry for it, as any other call
+its entries do not cover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import re
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera import _compat, call_check, counters, dynamo_guards, validation, warm
+from tessera.backend import GraphReceiver, PiecewiseBackend
+from tessera.cache.remote import RemoteTier
+from tessera.compile_state import COMPILE_LOCK
+from tessera.config import CompileConfig
+from tessera.errors import SizeFixedError, TesseraError
+from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.report import TraceReport
+from tessera.wrapper import (
+    DynamicChoice,
+    DynamicDims,
+    bind_arguments,
+    choose_dynamic_dims,
+    mark_dynamic,
+    trace_once,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """What every trace of this model needs, found at the first call: compiler, cache root and
+    prefix, the model's fingerprint (None: no whole-model artifact) and the remote tier."""
+
+    compiler: Any
+    root: Path | None
+    prefix: str
+    fingerprint: str | None
+    remote: RemoteTier | None
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """How the next trace marks what may change between calls, widened by every re-trace."""
+
+    dims: tuple[tuple[str, int], ...] = ()  # top-level argument dims made dynamic by a re-trace
+    nested: tuple[tuple[str, int], ...] = ()  # dims of tensors inside arguments (path, dim)
+    state: tuple[str, ...] = ()  # Python ints of argument objects traced as symbols
+    static: frozenset[tuple[str, int]] = frozenset()  # dims held static (a size the code treats apart)
+    soft: bool = False  # marks are "maybe dynamic": Dynamo keeps a dim static where the code fixes it
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One trace of the model: what it assumed of a call and what runs a call that holds it."""
+
+    number: int
+    reason: str  # why it was made: "the first call", or the assumption the nearest entry broke
+    spec: call_check.CallSpec
+    fast: Callable[..., Any]  # the compiled forward, unchecked
+    accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool]  # the check alone
+    bound: dict[str, Any]  # what the check reads besides the arguments
+    tensors: Callable[..., tuple[Any, ...]]  # the tensors the trace read (for the grad policy)
+    backend: PiecewiseBackend
+    loaded: bool  # from the whole-model artifact (no trace in this process)
+    code: types.CodeType | None = None  # Dynamo's transformed code (None when loaded)
+    mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
+
+
+@dataclass(frozen=True)
+class Model:
+    """What every trace of one model is made from, fixed at ``tessera.compile``."""
+
+    name: str
+    func: types.FunctionType
+    bound_to: object | None
+    target: Callable[..., Any]  # what the traced frame calls: the forward
+    traced_fn: types.FunctionType  # the frame tessera traces (wrapper.entry_frame)
+    signature: inspect.Signature
+    owner: Any  # the module whose parameters name a tensor needing grad (or None)
+
+
+class Traces:
+    """Every trace of one model, and the routing of its calls between them.
+
+    ``install(entry)`` is called with the entry that serves next (the face builds its call from
+    ``entry_call``); the lock serialises the making of entries, never a call that an entry serves.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        config: CompileConfig,
+        context: TraceContext,
+        dynamic_dims: DynamicDims | None,
+        install: Callable[[TraceEntry], None],
+        lock: threading.RLock,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.context = context
+        self.dynamic_dims = dynamic_dims
+        self._install = install
+        self._lock = lock
+        self.entries: tuple[TraceEntry, ...] = ()
+        self.last: TraceEntry | None = None
+        self.plan = TracePlan()
+        self.soft_dims = False  # set by presets (tessera.hf): suggested dims, "maybe dynamic"
+        self.mark_nested: Callable[[dict[str, Any]], None] | None = None
+        self.marked_dims: list[tuple[str, int]] = []
+        self.dropped_guards: tuple[tuple[str, int], ...] = ()
+        self.trace_seconds = 0.0
+        self.warm_refused: str | None = None  # why a saved trace did not serve the first call
+        self._said: set[str] = set()
+
+    # -- making entries ---------------------------------------------------------------------
+    def load_saved(self) -> None:
+        """Add every trace an earlier process saved for this fingerprint that loads here."""
+        context = self.context
+        if context.root is None or context.fingerprint is None:
+            return
+        saved, refused = warm.load(
+            self.config,
+            context.compiler,
+            context.root,
+            context.prefix,
+            context.fingerprint,
+            self.model.traced_fn,
+        )
+        self.warm_refused = refused
+        for trace in saved:
+            fast = functools.partial(trace.call, self.model.target)
+            self._add(trace.spec, fast, trace.backend, trace.reason, loaded=True)
+
+    def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first call: served by a saved trace that covers it, else by a new trace."""
+        if self.entries:
+            served = self._serve_existing(args, kwargs)
+            if served is not None:
+                return served[0]
+            counters.bump("warm_start_fallbacks")  # artifacts there, none for this call
+            nearest = self._nearest(args, kwargs)
+            self.warm_refused = f"this call differs from the saved traces: {nearest[1]}"
+            log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
+            return self.trace(args, kwargs, nearest[1], nearest[2])
+        return self.trace(args, kwargs, "the first call", [])
+
+    def trace(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: str,
+        mismatches: list[tuple[call_check.Assumption, Any]],
+    ) -> Any:
+        """Trace this call once more (widening the plan by what changed), add and serve it."""
+        with self._lock:
+            self.plan = self._widened(self.plan, args, kwargs, mismatches)
+            try:
+                return self._trace(args, kwargs, reason)
+            except SizeFixedError as e:
+                # The code fixes the size of a dim marked dynamic: marked "maybe dynamic" from
+                # now on, Dynamo keeps it static, and each size it fixes is an entry of its own.
+                log.info("%s: %s; its size is traced as the code fixes it", self.model.name, e)
+                self.plan = dataclasses.replace(self.plan, soft=True)
+                return self._trace(args, kwargs, reason)
+
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
+        values = bind_arguments(self.model.func, self.model.bound_to, args, kwargs)
+        choice = self.choose(values)
+        if not self.entries:
+            self.marked_dims = list(choice.dims)
+        oblivious = self.config.dynamic_shapes in ("backed", "backed_size_oblivious")
+        try:
+            return self._trace_with(args, kwargs, values, choice, reason, oblivious)
+        except (SizeFixedError, TesseraError):
+            raise
+        except Exception as e:
+            if not oblivious:
+                raise
+            # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
+            # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
+            log.info("%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, e)
+            return self._trace_with(args, kwargs, values, choice, reason, False)
+
+    def _trace_with(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        values: dict[str, Any],
+        choice: DynamicChoice,
+        reason: str,
+        oblivious: bool,
+    ) -> Any:
+        context, model = self.context, self.model
+        receiver = GraphReceiver(
+            self.config,
+            context.compiler,
+            context.root,
+            context.prefix,
+            context.remote,
+            serve_traced=True,
+            fingerprint=context.fingerprint,
+        )
+        start = time.perf_counter()
+        versions = _versions(args, kwargs)
+        nested = [t for t, _ in self._nested_tensors(args, kwargs)]
+        marked = [v for v in values.values() if isinstance(v, torch.Tensor)] + nested
+        with COMPILE_LOCK, _compat.dim_marks_restored(marked):
+            mode = (
+                "backed"
+                if self.config.dynamic_shapes == "backed_size_oblivious"
+                else self.config.dynamic_shapes
+            )
+            mark_dynamic(values, choice, mode)
+            if self.mark_nested is not None:
+                self.mark_nested(values)
+            dynamo = _compat.dynamo()
+            for tensor, dim in self._nested_tensors(args, kwargs):
+                dynamo.maybe_mark_dynamic(tensor, dim)
+            trace = trace_once(
+                model.traced_fn,
+                receiver,
+                model.target,
+                args,
+                kwargs,
+                model.func.__qualname__,
+                self._recorder(args, kwargs, choice, oblivious),
+                self.plan.state,
+                size_oblivious=oblivious,
+            )
+        mutated = _changed(versions, args, kwargs)
+        backend = receiver.received()
+        inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
+        self.trace_seconds += time.perf_counter() - start - inside
+        spec: call_check.CallSpec = trace.guards
+        if backend.dumps is not None:
+            backend.dumps.transformed_code(trace.code)
+        fast = functools.partial(trace.call, model.target)
+        entry = self._add(spec, fast, backend, reason, loaded=False, code=trace.code, mutated=mutated)
+        self._serving(entry)
+        if len(self.entries) > 1:
+            self._say(
+                f"{model.name}: trace {entry.number} of at most {self.config.max_traces}, because {reason}"
+            )
+        backend.start_background(functools.partial(self._save, entry))
+        if not backend.ready.is_set():
+            backend.artifact_status = "to be written once every size is compiled"
+        return trace.output
+
+    def _save(self, entry: TraceEntry) -> None:
+        """Once every size of ``entry`` is compiled: its whole-model artifact, for the next process."""
+        context = self.context
+        if context.root is None or context.fingerprint is None or entry.code is None:
+            return
+        warm.save(
+            entry.backend,
+            context.root,
+            context.fingerprint,
+            self.model.traced_fn,
+            entry.code,
+            entry.spec,
+            entry.reason,
+            context.remote,
+        )
+
+    def _add(
+        self,
+        spec: call_check.CallSpec,
+        fast: Callable[..., Any],
+        backend: PiecewiseBackend,
+        reason: str,
+        *,
+        loaded: bool,
+        code: types.CodeType | None = None,
+        mutated: frozenset[tuple[str, str]] = frozenset(),
+    ) -> TraceEntry:
+        bound = spec.bind(self.model.target, _compat.guard_globals(self.model.traced_fn.__globals__))
+        entry = TraceEntry(
+            number=len(self.entries) + 1,
+            reason=reason,
+            spec=spec,
+            fast=fast,
+            accepts=call_check.make_predicate(spec, bound),
+            bound=bound,
+            tensors=call_check.tensor_reader(spec, bound),
+            backend=backend,
+            loaded=loaded,
+            code=code,
+            mutated=mutated,
+        )
+        self.entries = (*self.entries, entry)
+        return entry
+
+    def choose(self, values: dict[str, Any]) -> DynamicChoice:
+        """The dims marked dynamic for a trace of this call: the user's (or the guess), and those
+        earlier re-traces found changing; minus those held static."""
+        wanted = self.dynamic_dims
+        if self.soft_dims and wanted is not None:
+            # Suggested dims (tessera.hf): an argument that is not a tensor in this call (a
+            # mask passed as a dict of masks) has none.
+            wanted = {n: d for n, d in wanted.items() if isinstance(values.get(n), torch.Tensor)}
+        choice = choose_dynamic_dims(self.model.func, values, wanted)
+        extra = [
+            (n, d)
+            for n, d in self.plan.dims
+            if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and (n, d) not in choice.dims
+        ]
+        dims = tuple(d for d in (*choice.dims, *extra) if d not in self.plan.static)
+        return DynamicChoice(dims, choice.guessed or self.soft_dims or self.plan.soft or bool(extra))
+
+    def _nested_tensors(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Iterator[tuple[torch.Tensor, int]]:
+        for path, dim in self.plan.nested:
+            try:
+                value = eval(path, {"__builtins__": {}}, {"args": args, "kwargs": kwargs})  # our grammar
+            except Exception:
+                continue
+            if isinstance(value, torch.Tensor) and dim < value.dim():
+                yield value, dim
+
+    def _widened(
+        self,
+        plan: TracePlan,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        mismatches: list[tuple[call_check.Assumption, Any]],
+    ) -> TracePlan:
+        """``plan`` with what changed between the nearest entry's trace and this call made
+        dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
+        entry bounded from below that this call goes under is held static (its own entry)."""
+        names = call_check.argument_names(self.model.signature, args, kwargs)
+        dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
+        static = set(plan.static)
+        for assumption, found in mismatches:
+            floor = _floor_parts(assumption.expr)
+            if assumption.floor and floor is not None:
+                path, dim = floor
+                if path in names:
+                    static.add((names[path], dim))
+                nested = [(p, d) for p, d in nested if (p, d) != (path, dim)]
+                continue
+            if assumption.state and validation.is_int(assumption.expected) and validation.is_int(found):
+                if _compat.supports_dynamic_state() and assumption.expr not in state:
+                    state.append(assumption.expr)
+                continue
+            for path, dim in _changed_dims(assumption, found):
+                if path in names:
+                    if (names[path], dim) not in dims:
+                        dims.append((names[path], dim))
+                elif (path, dim) not in nested:
+                    nested.append((path, dim))
+        return dataclasses.replace(
+            plan, dims=tuple(dims), nested=tuple(nested), state=tuple(state), static=frozenset(static)
+        )
+
+    # -- the call check of a trace ----------------------------------------------------------------
+    def _recorder(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice, oblivious: bool
+    ) -> Callable[..., call_check.CallSpec]:
+        """What reads Dynamo's guards into the call spec: called during the trace, after the graph
+        is compiled and before the first call runs (so a model that appends to a list argument
+        is checked against the list as passed)."""
+        names = call_check.argument_names(self.model.signature, args, kwargs)
+        dynamic: dict[str, set[int]] = {}
+        for name, dim in choice.dims:
+            dynamic.setdefault(name, set()).add(dim)
+        state = _compat.call_state()
+        model = self.model
+
+        def read(
+            facts: list[_compat.GuardFact],
+            symbols: dict[str, tuple[str | None, ...]],
+            writes: bool,
+            not_at_one: frozenset[str],
+        ) -> call_check.CallSpec:
+            symbolic = {name: tuple(s is not None for s in dims) for name, dims in symbols.items()}
+            translation = dynamo_guards.translate(
+                facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
+            )
+            floors = (
+                _size_floors(symbols, not_at_one, lambda n: dynamo_guards.readable(n, names))
+                if oblivious
+                else ()
+            )
+            spec = call_check.record(
+                args,
+                kwargs,
+                lambda path: names.get(path, path),
+                # Marked dims, and every dim the trace made symbolic (a tensor nested in a dict
+                # argument, a mask per attention type): Dynamo's guards bound those, not a size.
+                lambda path: (
+                    frozenset(dynamic.get(names.get(path, ""), ()))
+                    | frozenset(d for d, s in enumerate(symbols.get(path, ())) if s is not None)
+                ),
+                (*translation.assumptions, *floors),
+                translation.parents,
+                state,
+                writes,
+            )
+            # An assumption the very call it came from breaks is a translation tessera cannot
+            # check: say so (it would refuse every call), and keep the rest.
+            bound = spec.bind(model.target, _compat.guard_globals(model.traced_fn.__globals__))
+            broken = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
+            if broken:
+                log.warning("%s: guards tessera cannot re-check, not checked: %s", model.name, sorted(broken))
+                kept = tuple(a for a in spec.assumptions if a.expr not in broken)
+                spec = dataclasses.replace(spec, assumptions=kept)
+            self.dropped_guards = translation.dropped
+            return spec
+
+        return read
+
+    # -- routing --------------------------------------------------------------------------------
+    def slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call the last entry's quick check did not pass: grad enabled, another entry's call,
+        another structure or layout, or one no entry covers (traced, or refused past the limit)."""
+        if torch.is_grad_enabled():
+            last = self.last
+            if last is not None:
+                refuse_if_grad_needed(self.model.name, self.model.owner, last.tensors(args, kwargs))
+            refuse_if_grad_needed(self.model.name, self.model.owner, grad_tensors((args, kwargs)))
+            with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
+                return self.route(args, kwargs)
+        served = self._serve_existing(args, kwargs)
+        if served is not None:
+            return served[0]
+        with self._lock:
+            served = self._serve_existing(args, kwargs)  # another thread may have traced it
+            if served is not None:
+                return served[0]
+            nearest, reason, mismatches = self._nearest(args, kwargs)
+            if len(self.entries) >= self.config.max_traces:
+                raise self._refusal(nearest, reason, mismatches)
+            return self.trace(args, kwargs, reason, mismatches)
+
+    def route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call from the top: the last entry's check, then the rest."""
+        last = self.last
+        if last is not None and last.accepts(args, kwargs):
+            return last.fast(*args, **kwargs)
+        return self.slow(args, kwargs)
+
+    def _serve_existing(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
+        """The output of the entry that covers this call (as passed, normalised to its traced
+        structure, or with an argument copied into its traced layout); None if none does."""
+        ordered = self._ordered()
+        for entry in ordered:
+            if entry.accepts(args, kwargs):
+                self._serving(entry)
+                return (entry.fast(*args, **kwargs),)
+        for entry in ordered:
+            try:
+                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+            except call_check.InputMismatchError:
+                continue
+            if not entry.accepts(n_args, n_kwargs):
+                mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+                if not mismatches or not all(call_check.layout_path(a) for a, _ in mismatches):
+                    continue
+                n_args, n_kwargs = _fix_layouts(entry, n_args, n_kwargs, mismatches)
+                if not entry.accepts(n_args, n_kwargs):
+                    continue
+            self._serving(entry)
+            return (entry.fast(*n_args, **n_kwargs),)
+        return None
+
+    def _ordered(self) -> list[TraceEntry]:
+        last = self.last
+        rest = [e for e in reversed(self.entries) if e is not last]
+        return ([last] if last is not None else []) + rest
+
+    def _serving(self, entry: TraceEntry) -> None:
+        if entry is not self.last:
+            self.last = entry
+            self._install(entry)
+
+    def _nearest(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]:
+        """The entry this call differs least from, in words, and the assumptions it breaks."""
+        best: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]] | None = None
+        state = _compat.call_state()
+        for entry in self._ordered():
+            candidate: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]
+            try:
+                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+            except call_check.InputMismatchError as e:
+                candidate = (10_000, entry, str(e), [])
+            else:
+                mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+                words = call_check.explain(mismatches) if mismatches else ""
+                if entry.spec.global_state and entry.spec.global_state != state:
+                    words = "; ".join(
+                        w for w in (call_check.explain_state(entry.spec.global_state, state), words) if w
+                    )
+                candidate = (len(mismatches), entry, words or "the call differs", mismatches)
+            if best is None or candidate[0] < best[0]:
+                best = candidate
+        if best is None:
+            return None, "the first call", []
+        return best[1], best[2], best[3]
+
+    def _refusal(
+        self, nearest: TraceEntry | None, reason: str, mismatches: list[tuple[call_check.Assumption, Any]]
+    ) -> call_check.InputMismatchError:
+        listed = "; ".join(f"trace {e.number}: {e.reason}" for e in self.entries)
+        limit = self.config.max_traces
+        more = (
+            "max_traces=1 traces once and refuses every call unlike the first: raise it to trace again"
+            if limit == 1
+            else f"raise max_traces (now {limit})"
+        )
+        advice = f"{call_check.advice(mismatches)}; or {more}; or use mode='stock' (Dynamo's guards)"
+        state = _compat.call_state()
+        kind = call_check.InputMismatchError
+        if nearest is not None and nearest.spec.global_state and nearest.spec.global_state != state:
+            kind = call_check.StateMismatchError
+        return kind(
+            f"{self.model.name}: no trace covers this call ({reason}), and the model holds "
+            f"{len(self.entries)} trace(s), the limit ({listed}). To serve it: {advice}"
+        )
+
+    def _say(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            log.info("%s", message)
+
+    # -- what the face reports ------------------------------------------------------------------
+    def backends(self) -> list[PiecewiseBackend]:
+        return [e.backend for e in self.entries]
+
+    def reports(self) -> tuple[TraceReport, ...]:
+        return tuple(
+            TraceReport(
+                e.number,
+                e.reason,
+                "loaded" if e.loaded else "traced",
+                str(e.backend.entry.path) if e.backend.entry is not None else None,
+            )
+            for e in self.entries
+        )
+
+
+# ``2 <= args[0].size()[1]`` (Dynamo's floor) and ``args[0].shape[1] >= 2`` (ours, _size_floors).
+_FLOOR = re.compile(
+    r"^(?:\d+ <= (?P<path>.+?)\.size\(\)\[(?P<dim>\d+)\]|(?P<p2>.+?)\.shape\[(?P<d2>\d+)\] >= \d+)$"
+)
+_SHAPE = re.compile(r"^(?P<path>(?:args|kwargs)\[.+?)\.shape(?:\[(?P<dim>\d+)\])?$")
+
+
+def _floor_parts(expr: str) -> tuple[str, int] | None:
+    match = _FLOOR.match(expr)
+    if match is None:
+        return None
+    if match.group("path") is not None:
+        return match.group("path"), int(match.group("dim"))
+    return match.group("p2"), int(match.group("d2"))
+
+
+def _changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[str, int]]:
+    """The (path, dim) of each static size of an argument's tensor this call changed."""
+    match = _SHAPE.match(assumption.expr)
+    if match is None:
+        return []
+    path = match.group("path")
+    if match.group("dim") is not None:
+        return [(path, int(match.group("dim")))] if validation.is_int(found) else []
+    expected = assumption.expected
+    if not isinstance(found, torch.Size) or len(found) != len(expected):
+        return []  # another rank: a trace of its own, nothing made dynamic
+    return [(path, d) for d, (f, e) in enumerate(zip(found, expected, strict=True)) if f != e]
+
+
+def _size_floors(
+    symbols: dict[str, tuple[str | None, ...]], not_at_one: frozenset[str], label: Callable[[str], str]
+) -> tuple[call_check.Assumption, ...]:
+    """A size-oblivious trace serves a dynamic size down to 1 (size 0 gets its own trace), and
+    down to 2 where an op of the graph treats 1 apart (``wrapper.size_one_symbols``)."""
+    out = []
+    seen: set[str] = set()
+    for name, dims in symbols.items():
+        if dynamo_guards.root_of(name) != "input":
+            continue
+        for d, symbol in enumerate(dims):
+            if symbol is None or symbol in seen or not re.fullmatch(r"s\d+", symbol):
+                continue
+            seen.add(symbol)
+            low = 2 if symbol in not_at_one else 1
+            why = "an op of the graph treats size 1 apart" if low == 2 else "size 0 is traced apart"
+            out.append(
+                call_check.Assumption(
+                    f"{name}.shape[{d}] >= {low}",
+                    True,
+                    f"sizes: {label(name)} dim {d} >= {low} ({why})",
+                    floor=True,
+                )
+            )
+    return tuple(out)
+
+
+def _fix_layouts(
+    entry: TraceEntry,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mismatches: list[tuple[call_check.Assumption, Any]],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Arguments whose only difference is their layout, copied into the traced layout (the
+    compiled code assumes it). An argument the model writes to is not copied: the write would
+    miss the caller's tensor, so the call is traced for its own layout instead."""
+    positional, keywords = list(args), dict(kwargs)
+    for assumption, _ in mismatches:
+        path = call_check.layout_path(assumption)
+        if path is None or path in entry.mutated or entry.spec.writes_in_place:
+            continue
+        kind, key = path
+        if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
+            positional[int(key)] = call_check.to_layout(positional[int(key)], assumption.expected)
+        elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
+            keywords[key] = call_check.to_layout(keywords[key], assumption.expected)
+    return tuple(positional), keywords
+
+
+def _top_level_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            yield ("args", str(i)), value
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            yield ("kwargs", key), value
+
+
+def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """The version counter of each top-level tensor argument (in-place writes bump it)."""
+    return {path: _version(tensor) for path, tensor in _top_level_tensors(args, kwargs)}
+
+
+def _changed(
+    before: dict[tuple[str, str], int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> frozenset[tuple[str, str]]:
+    """The arguments whose version moved since ``before``: the ones the model writes to."""
+    return frozenset(
+        path for path, tensor in _top_level_tensors(args, kwargs) if before.get(path, -1) != _version(tensor)
+    )
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
+        return -1

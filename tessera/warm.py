@@ -1,0 +1,87 @@
+"""The warm start: every trace of a model saved for the next process, and loaded by it.
+
+``save`` writes one trace's whole-model artifact into its cache entry and adds the entry to the
+traces its fingerprint leads to (``<root>/warm/<fingerprint>.json``, cache/artifact.py); ``load``
+rebuilds every one of them without Dynamo. A trace that does not load here is skipped (counted,
+and said once when it is not damage or a changed model); the others still serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera import counters
+from tessera.backend import PiecewiseBackend
+from tessera.cache import artifact as model_artifact
+from tessera.cache.artifact import WarmStartUnavailable
+from tessera.cache.remote import RemoteTier, publish
+from tessera.call_check import CallSpec
+from tessera.config import CompileConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SavedTrace:
+    """One trace rebuilt from its whole-model artifact."""
+
+    backend: PiecewiseBackend
+    call: Callable[..., Any]  # call(target, *args, **kwargs): Dynamo's bytecode, rebuilt
+    spec: CallSpec
+    reason: str  # why the process that made it traced it
+
+
+def load(
+    config: CompileConfig,
+    compiler: Any,
+    root: Path,
+    prefix: str,
+    fingerprint: str,
+    traced_fn: types.FunctionType,
+) -> tuple[list[SavedTrace], str | None]:
+    """Every saved trace of ``fingerprint`` that rebuilds here, and why the last one that did not
+    was refused (None: all did, or there were none). Raises OtherPath for a model recorded to run
+    on the guarded path, and CompilerError for a compiler whose loader fails on a sound file."""
+    try:
+        listed = model_artifact.read_entries(root, fingerprint)
+    except model_artifact.OtherPath:
+        raise
+    except WarmStartUnavailable as e:
+        counters.bump("warm_start_fallbacks")
+        return [], str(e)
+    saved: list[SavedTrace] = []
+    refused = None if listed else "no whole-model artifact for this model yet"
+    for entry_path, reason, model_sha in listed:
+        try:
+            backend, call, spec = PiecewiseBackend.from_entry(
+                config, compiler, root, prefix, entry_path, traced_fn, model_sha
+            )
+        except WarmStartUnavailable as e:
+            counters.bump("warm_start_fallbacks")
+            refused = str(e)
+            log.info("%s: a saved trace does not load (%s)", prefix, e)
+            continue
+        saved.append(SavedTrace(backend, call, spec, reason))
+    return saved, refused
+
+
+def save(
+    backend: PiecewiseBackend,
+    root: Path,
+    fingerprint: str,
+    traced_fn: types.FunctionType,
+    code: types.CodeType,
+    spec: CallSpec,
+    reason: str,
+    remote: RemoteTier | None,
+) -> None:
+    """After a trace, once every size is compiled: its artifact, and the fingerprint's pointer."""
+    if not backend.save_artifact(fingerprint, traced_fn, code, spec, reason):
+        return
+    if remote is not None and backend.entry is not None:
+        publish(remote, root, fingerprint, backend.entry)
