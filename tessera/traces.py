@@ -198,6 +198,11 @@ class Traces:
         oblivious = self.config.dynamic_shapes in ("backed", "backed_size_oblivious")
         try:
             return self._trace_with(args, kwargs, values, choice, reason, oblivious)
+        except _TracedAtOne as e:
+            # This call has a size an op of the graph treats apart (``x.squeeze()`` at 1): traced
+            # as Dynamo does by default, which makes sizes 0 and 1 static.
+            log.info("%s: %s; traced for that size", self.model.name, e)
+            return self._trace_with(args, kwargs, values, choice, reason, False)
         except (SizeFixedError, TesseraError):
             raise
         except Exception as e:
@@ -424,10 +429,14 @@ class Traces:
                 state,
                 writes,
             )
+            bound = spec.bind(model.target, _compat.guard_globals(model.traced_fn.__globals__))
+            broken_now = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
+            at_one = [a.label for a in floors if a.expr in broken_now]
+            if at_one:
+                raise _TracedAtOne(f"the graph treats a size of this call apart ({at_one[0]})")
             # An assumption the very call it came from breaks is a translation tessera cannot
             # check: say so (it would refuse every call), and keep the rest.
-            bound = spec.bind(model.target, _compat.guard_globals(model.traced_fn.__globals__))
-            broken = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
+            broken = broken_now
             if broken:
                 log.warning("%s: guards tessera cannot re-check, not checked: %s", model.name, sorted(broken))
                 kept = tuple(a for a in spec.assumptions if a.expr not in broken)
@@ -475,17 +484,21 @@ class Traces:
             if entry.accepts(args, kwargs):
                 self._serving(entry)
                 return (entry.fast(*args, **kwargs),)
+        state = _compat.call_state()
         for entry in ordered:
+            if entry.spec.global_state and entry.spec.global_state != state:
+                continue  # traced under another autocast, default dtype or function mode
             try:
                 n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
             except call_check.InputMismatchError:
                 continue
-            if not entry.accepts(n_args, n_kwargs):
-                mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-                if not mismatches or not all(call_check.layout_path(a) for a, _ in mismatches):
+            # The assumptions one by one: the quick check compares a tuple, where NaN != NaN.
+            mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+            if mismatches:
+                if not all(call_check.layout_path(a) for a, _ in mismatches):
                     continue
                 n_args, n_kwargs = _fix_layouts(entry, n_args, n_kwargs, mismatches)
-                if not entry.accepts(n_args, n_kwargs):
+                if entry.spec.mismatches(n_args, n_kwargs, entry.bound):
                     continue
             self._serving(entry)
             return (entry.fast(*n_args, **n_kwargs),)
@@ -566,6 +579,10 @@ class Traces:
             )
             for e in self.entries
         )
+
+
+class _TracedAtOne(Exception):
+    """A size-oblivious trace made at a size one of its ops treats apart (size 1 for a squeeze)."""
 
 
 # ``2 <= args[0].size()[1]`` (Dynamo's floor) and ``args[0].shape[1] >= 2`` (ours, _size_floors).

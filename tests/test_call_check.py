@@ -36,7 +36,9 @@ def served_or_refused(compiled: Callable[..., Any], fn: Callable[..., Any], *arg
 
 
 def compile_eager(fn: Callable[..., Any], **options: Any) -> tessera.CompiledModel:
-    return tessera.compile(fn, backend="eager", **options)
+    """The check alone: ``max_traces=1`` refuses what it catches (by default it is traced again,
+    see test_traces.py)."""
+    return tessera.compile(fn, backend="eager", **{"max_traces": 1, **options})
 
 
 def with_extra(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -146,8 +148,8 @@ def test_sizes_the_code_fixes_and_relations_between_sizes_are_checked(backend):
     looped = tessera.compile(loops_over_dim0, backend=backend)
     assert served_or_refused(looped, loops_over_dim0, torch.randn(3, 2)) == "served"
     # The code fixes the size: another size gets a trace of its own (as torch.compile recompiles).
-    with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
-        assert served_or_refused(looped, loops_over_dim0, torch.randn(5, 2)) == "served"
+    assert served_or_refused(looped, loops_over_dim0, torch.randn(5, 2)) == "served"
+    assert len(looped.traces) == 2
     added = tessera.compile(adds, backend=backend)
     assert served_or_refused(added, adds, torch.randn(4, 2), torch.randn(4, 2)) == "served"
     assert served_or_refused(added, adds, torch.randn(6, 2), torch.randn(6, 2)) == "served"
@@ -289,21 +291,21 @@ def branches_on_one(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_a_size_under_dynamos_floor_of_two_gets_its_own_trace(backend):
-    """Dynamo traces a dynamic size as >= 2; code that differs at 1 must not run the general graph."""
+def test_a_model_that_treats_size_one_apart_gets_a_trace_for_it(backend):
+    """Size 1 is served by the general trace unless the model treats it apart: a squeeze (found in
+    the graph) or a branch on it (a guard). Those get a second trace, and equal eager."""
     for fn in (squeezes, branches_on_one):
         compiled = tessera.compile(fn, backend=backend, disable_cache=True)
         for rows in (3, 4, 1, 5, 1):
             x = torch.randn(rows, 1, 3)
             torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {rows} rows")
-        assert tessera.counters.snapshot().get("graphs_traced", 0) == 2, "one general trace, one for size 1"
-        tessera.counters.reset()
-    # A first call at size 1 is served by its own trace too; the general one waits for sizes >= 2.
+        assert len(compiled.traces) == 2, "one general trace, one for size 1"
+    # A first call at size 1 gets the trace for size 1; the general one comes with size 3.
     compiled = tessera.compile(squeezes, backend=backend, disable_cache=True)
     for rows in (1, 3, 1, 6):
         x = torch.randn(rows, 1, 3)
         torch.testing.assert_close(compiled(x), squeezes(x))
-    assert tessera.counters.snapshot().get("graphs_traced", 0) == 2
+    assert len(compiled.traces) == 2
 
 
 class LoopsOverRows(torch.nn.Module):
@@ -332,8 +334,7 @@ def test_code_that_fixes_a_dynamic_size_is_traced_once_per_size(backend):
     model.requires_grad_(False)  # ...and served once nothing needs gradients
     compiled = tessera.compile(model, backend=backend, disable_cache=True)
     torch.testing.assert_close(compiled(x), model(x))  # a guessed dim: Dynamo keeps it static
-    with pytest.warns(tessera.TesseraWarning, match="fixes the size.*each size of x dim 0 on its own"):
-        torch.testing.assert_close(compiled(x[:3]), model(x[:3]))
+    torch.testing.assert_close(compiled(x[:3]), model(x[:3]))
     for rows in (4, 6, 1, 6, 9, 4, 3):
         x = torch.randn(rows, 3)
         torch.testing.assert_close(compiled(x), model(x), msg=f"{rows} rows")
@@ -341,51 +342,44 @@ def test_code_that_fixes_a_dynamic_size_is_traced_once_per_size(backend):
         "tessera's dim marks must not stay on the caller's tensor"
     )
     # One trace per distinct size (4, 3, 6, 1, 9); repeats are served by their own.
-    assert tessera.counters.snapshot()["graphs_traced"] == 5
-    assert compiled.eager_calls == 0
+    assert len(compiled.traces) == 5
     # Dims the user marked dynamic: Dynamo's trace fails on them, and each size is traced alone.
-    tessera.counters.reset()
     marked = tessera.compile(model, backend=backend, disable_cache=True, dynamic_dims={"x": 0})
-    with pytest.warns(tessera.TesseraWarning, match="fixes the size of a dim traced as dynamic"):
-        torch.testing.assert_close(marked(x), model(x))
+    torch.testing.assert_close(marked(x), model(x))
     for rows in (5, 3, 5):
         x = torch.randn(rows, 3)
         torch.testing.assert_close(marked(x), model(x), msg=f"{rows} rows")
-    assert tessera.counters.snapshot()["graphs_traced"] == 3  # the failed general trace, sizes 3 and 5
+    assert len(marked.traces) == 2  # sizes 3 and 5
 
 
-def test_the_per_size_path_is_recorded_so_the_next_start_skips_the_failing_trace():
+def test_traces_per_size_are_loaded_by_the_next_start():
     model = LoopsOverRows().requires_grad_(False)
-    x = torch.randn(5, 3)
     for attempt in ("first", "next"):
         torch._dynamo.reset()
         tessera.counters.reset()
-        compiled = compile_eager(model, dynamic_dims={"x": 0})
-        with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
+        compiled = tessera.compile(model, backend="eager", dynamic_dims={"x": 0})
+        for rows in (5, 3):
+            x = torch.randn(rows, 3)
             torch.testing.assert_close(compiled(x), model(x))
-        traced = tessera.counters.snapshot()["graphs_traced"]
-        # The first start fails the general trace, then traces size 5; the next loads size 5.
-        assert traced == (2 if attempt == "first" else 0), attempt
-    assert compiled.warm_start_refused is not None and "per_size path" in compiled.warm_start_refused
+        compiled.wait_ready()
+        traced = tessera.counters.snapshot().get("graphs_traced", 0)
+        # The first start fails the general trace, then traces sizes 5 and 3; the next loads both.
+        assert traced == (3 if attempt == "first" else 0), attempt
+    assert compiled.warm_start is True and [e.loaded for e in compiled.traces] == [True, True]
 
 
-def test_sizes_past_the_limit_of_per_size_traces_run_eagerly_with_one_warning(monkeypatch):
-    from tessera import api
-
-    monkeypatch.setattr(api, "MAX_SIZE_TRACES", 2)
+def test_calls_past_max_traces_are_refused_naming_every_trace():
     model = LoopsOverRows().requires_grad_(False)
-    compiled = compile_eager(model, disable_cache=True)
-    compiled(torch.randn(2, 3))
-    with pytest.warns(tessera.TesseraWarning, match="fixes the size"):
-        compiled(torch.randn(3, 3))
-    compiled(torch.randn(4, 3))
-    with pytest.warns(tessera.TesseraWarning, match="2 sizes of x dim 0 traced, the limit"):
-        x = torch.randn(5, 3)
+    compiled = tessera.compile(model, backend="eager", disable_cache=True, max_traces=2)
+    for rows in (2, 3, 2):
+        x = torch.randn(rows, 3)
         torch.testing.assert_close(compiled(x), model(x))
-    x = torch.randn(7, 3)
+    with pytest.raises(
+        tessera.InputMismatchError, match=r"2 trace\(s\), the limit \(trace 1: the first call; trace 2: x: "
+    ):
+        compiled(torch.randn(4, 3))
+    x = torch.randn(3, 3)  # the traces made still serve
     torch.testing.assert_close(compiled(x), model(x))
-    assert compiled.eager_calls == 2
-    assert tessera.counters.snapshot()["graphs_traced"] == 3, "the first call's, two sizes, then none"
 
 
 def cat_then_attention(x: torch.Tensor) -> torch.Tensor:
