@@ -12,7 +12,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import pickle
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 import torch.fx
 
@@ -107,9 +107,18 @@ class GraphReceiver:
     remote: RemoteTier | None = None
     serve_traced: bool = False
     fingerprint: str | None = None  # the model's: its traces' entries are its own
+    # The model's backends by graph (and call state): a trace whose graph is one of them shares
+    # its pieces instead of splitting and compiling again (None: never shared).
+    shared: dict[str, PiecewiseBackend] | None = None
     backend: PiecewiseBackend | None = None  # None until Dynamo has called
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        key = f"{graph_signature(gm)}:{_compat.call_state()!r}"
+        existing = self.shared.get(key) if self.shared is not None else None
+        if existing is not None and existing.split_forward is not None:
+            counters.bump("graphs_shared")
+            self.backend = existing
+            return existing.split_forward
         backend = PiecewiseBackend.from_trace(
             gm,
             example_inputs,
@@ -122,6 +131,8 @@ class GraphReceiver:
             fingerprint=self.fingerprint,
         )
         self.backend = backend
+        if self.shared is not None:
+            self.shared[key] = backend
         assert backend.split_forward is not None
         return backend.split_forward
 
@@ -187,6 +198,8 @@ class PiecewiseBackend:
         # trace; a trace for one small size compiles at once (that size is the whole workload).
         self.serve_traced = serve_traced
         self.ready = threading.Event()
+        self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
+        self._after_lock = threading.Lock()
         self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
         self._worker_failed = False  # a compile worker's failure is warned once per model
         self._pool: CompilePool | None = None  # compile workers for this model's static sizes
@@ -418,13 +431,32 @@ class PiecewiseBackend:
         captured graph holds the artifact it was captured with)."""
         return self.config.background_compile and self.graph_backend is None
 
+    def after_ready(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every size is in place: now if it is, else after the background compile
+        (a second trace sharing this backend saves its whole-model artifact then)."""
+        with self._after_lock:
+            if not self.ready.is_set():
+                self._after_ready.append(fn)
+                return
+        fn()
+
+    def _run_after_ready(self) -> None:
+        with self._after_lock:
+            waiting, self._after_ready = self._after_ready, []
+        for fn in waiting:
+            try:
+                fn()
+            except Exception as e:  # a save that fails costs the next process a trace, no more
+                log.warning("%s: after the background compile: %s: %s", self.prefix, type(e).__name__, e)
+
     def start_background(self, then: Callable[[], None] | None = None) -> None:
         """Compile what was left for later in a thread of its own, swapping each artifact in as it
         is ready, then run ``then`` (the whole-model artifact is written once every size is in
         place, so that the next process loads them all). The thread is not a daemon: a process
         that exits first waits for it, and the cache gets every artifact."""
         if not self._later:
-            self.ready.set()
+            with self._after_lock:
+                self.ready.set()
             if then is not None:
                 then()
             return
@@ -471,7 +503,9 @@ class PiecewiseBackend:
         finally:
             self.phases.setdefault("background_compile", time.perf_counter() - start)
             self._later = []
-            self.ready.set()
+            with self._after_lock:
+                self.ready.set()
+            self._run_after_ready()
 
     def _compile_rest(self, progress: CompileProgress | None = None) -> None:
         """Compile what ``_build`` left (``_later``) and swap each artifact in as it is ready.
@@ -653,11 +687,11 @@ class PiecewiseBackend:
         prefix: str,
         entry_path: Path,
         traced_fn: types.FunctionType,
-        model_sha: str = "",
-    ) -> tuple[PiecewiseBackend, Callable[..., Any], CallSpec]:
-        """A complete backend, the traced frame's callable and what the trace assumed of a call,
-        rebuilt from the whole-model artifact in ``entry_path`` (``model_sha``: the artifact's
-        sha256 as the pointer recorded it; another model with the same graph may have replaced it).
+        keys: Sequence[str],
+    ) -> tuple[PiecewiseBackend, dict[str, tuple[Callable[..., Any], CallSpec]]]:
+        """A complete backend rebuilt from the whole-model artifact in ``entry_path``, and for
+        each of the traces ``keys`` names that it holds and that binds here, the traced frame's
+        callable and what the trace assumed of a call.
 
         Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
         compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
@@ -670,9 +704,12 @@ class PiecewiseBackend:
         except EntryUnusable as e:
             raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
         read = time.perf_counter()
-        if model_sha and hashlib.sha256(data).hexdigest() != model_sha:
-            raise WarmStartUnavailable(f"entry {entry_path} holds another trace's whole-model artifact now")
         saved = model_artifact.loads(data)
+        variants = [v for v in saved.variants if v.key in keys or not any(keys)]
+        if not variants:
+            raise WarmStartUnavailable(f"entry {entry_path} no longer holds the trace its pointer names")
+        for variant in variants:
+            model_artifact.check_binds(variant)
         backend = cls(
             config,
             compiler,
@@ -684,19 +721,23 @@ class PiecewiseBackend:
         )
         backend.artifact_status = "loaded"
         try:
-            call = backend._rebuild(saved, traced_fn)
+            forward = backend._rebuild(saved)
+            calls = {}
+            for variant in variants:
+                calls[variant.key] = (rebuild_call(variant.code, traced_fn, forward), variant.call_spec)
         except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
             raise
         except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
             reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
             _warn_bug_once(reason, entry_path)
             raise WarmStartUnavailable(reason) from e
+        backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
         counters.bump("pieces", len(backend.order))
         counters.bump("compiled_pieces", len(saved.pieces))
         backend.ready.set()  # every size was in the artifact
-        return backend, call, saved.call_spec
+        return backend, calls
 
-    def _rebuild(self, saved: ModelArtifact, traced_fn: types.FunctionType) -> Callable[..., Any]:
+    def _rebuild(self, saved: ModelArtifact) -> Callable[..., Any]:
         """Runners, splitting pieces and the split module's forward from a whole-model artifact."""
         start = time.perf_counter()
         graphs = {content: blob for content, blob in saved.graphs}
@@ -736,9 +777,7 @@ class PiecewiseBackend:
         splitting = {name for name, _ in saved.modules}
         self.order = [(n, n in splitting) for n in names]
         self.split_forward = forward
-        call = rebuild_call(saved.code, traced_fn, forward)
-        self.phases["rebuild_code"] = time.perf_counter() - loaded
-        return call
+        return forward
 
     # -- the whole-model artifact --------------------------------------------------------------
     def save_artifact(
@@ -777,7 +816,15 @@ class PiecewiseBackend:
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return False
         try:
-            blob = model_artifact.dumps(saved)
+            with filelock.FileLock(str(entry.path / ".model.lock")):
+                # Another trace of this model with the same graph may be saved there: kept.
+                saved = saved.with_variants_of(_saved_artifact(entry))
+                blob = model_artifact.dumps(saved)
+                entry.write_model(blob)
+        except OSError as e:  # the model runs; the next process traces again
+            self.artifact_status = f"not written: {e.strerror}"
+            warn_write_failed(entry.path, e)
+            return False
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             # What the call check compares against includes a value that cannot be saved (a class
             # defined inside a function): this process runs; the next one traces again.
@@ -785,9 +832,8 @@ class PiecewiseBackend:
             log.info("no whole-model artifact (the next process traces again): %s", e)
             return False
         try:
-            entry.write_model(blob)
-            sha = hashlib.sha256(blob).hexdigest()
-            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path, reason, sha)
+            key = saved.variants[-1].key
+            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path, reason, key)
         except OSError as e:  # the model runs; the next process traces again
             self.artifact_status = f"not written: {e.strerror}"
             warn_write_failed(entry.path, e)
@@ -866,6 +912,14 @@ class PiecewiseBackend:
     @property
     def compiled(self) -> int:
         return self.artifact_cache.compiled
+
+
+def _saved_artifact(entry: CacheEntry) -> ModelArtifact | None:
+    """The whole-model artifact the entry holds now, if it loads."""
+    try:
+        return model_artifact.loads(entry.read_model())
+    except (EntryUnusable, WarmStartUnavailable):
+        return None
 
 
 def _worker_fit(fake_args: Sequence[Any]) -> bool:

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Iterator
 
 NAMES = (
-    "graphs_traced",
+    "graphs_traced",  # graphs split and compiled (or loaded) from a trace
+    "graphs_shared",  # traces whose graph one of the model's earlier traces had: nothing compiled
     "pieces",
     "compiled_pieces",
     "backend_compilations",

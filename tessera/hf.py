@@ -57,11 +57,9 @@ def compile_causal_lm(
 
 
 # generate() passes a 2-D mask (batch, keys) or a 4-D one (batch, 1, queries, keys): the last dim
-# is the key length in both, and in prefill a 4-D mask's queries are the sequence too. Marked
-# "maybe dynamic", so a size the code fixes stays static.
-_PREFILL_DIMS: dict[str, int | tuple[int, ...]] = {**SEQUENCE_DIMS, "attention_mask": -1}
+# is the key length in both, and a 4-D mask's queries are the new tokens. Marked "maybe dynamic",
+# so a size the code fixes (the batch of a 2-D mask) stays static.
 _PREFILL_DIMS_4D_MASK: dict[str, int | tuple[int, ...]] = {**SEQUENCE_DIMS, "attention_mask": (-2, -1)}
-_DECODE_DIMS: dict[str, int | tuple[int, ...]] = {"attention_mask": -1}
 
 
 def compile_for_generate(
@@ -69,12 +67,13 @@ def compile_for_generate(
 ) -> GenerateForward:
     """Make ``model.generate(...)`` run compiled, with the user's code unchanged.
 
-    Replaces ``model.forward`` with a ``GenerateForward``: calls with an empty KV cache (prefill)
-    go to one compiled model, traced once with the sequence length dynamic; calls with a filled
-    cache (each decode step) go to another, traced once with the cache length dynamic, since a
-    ``DynamicCache`` grows by one at every step. A ``StaticCache`` works the same way. Each is
-    checked per call like any tessera model; artifacts are cached under the prefixes ``prefill``
-    and ``decode``. Returns the new forward (``model.forward``); ``restore()`` undoes it.
+    A preset of the idiom ``model.forward = tessera.compile(model.forward)``, which works as well:
+    it replaces ``model.forward`` with one compiled model whose traces (traces.py) are the kinds of
+    call generate() makes (prefill, the first decode step, the later ones, with the default or the
+    static cache), each traced at its first call. The preset saves re-traces by marking up front
+    what grows (the prompt's length, the mask's keys, a dynamic cache's length: "maybe dynamic",
+    so a size the code fixes stays static) and gives the cache one layout at every step. Returns
+    the new forward (``model.forward``); ``restore()`` undoes it.
     """
     forward = model.forward
     if isinstance(forward, GenerateForward):
@@ -87,93 +86,47 @@ def compile_for_generate(
 
 
 class GenerateForward:
-    """``model.forward`` under ``compile_for_generate``: each kind of call compiled once.
-
-    A kind is the phase (prefill: empty cache; decode: a filled one), the batch size, the cache
-    (``_cache_kind``: its type, whether it is allocated, a fixed-size cache's lengths) and the
-    keywords the call passes (generate() passes ``attention_mask`` only when it has one): each
-    kind is one compiled model, traced at its first call and checked at every call. The cache is
-    found by its type (a ``transformers.Cache``), whatever argument carries it: generate() passes
-    ``past_key_values=`` up to transformers 5.23 and ``cache=`` from 5.24.
-    """
-
-    MAX_KINDS = 8  # distinct kinds of call compiled, at most; more is a refusal naming them
+    """``model.forward`` under ``compile_for_generate``: one compiled model, generate()'s dims
+    suggested. The cache is found by its type (a ``transformers.Cache``), whatever argument carries
+    it: generate() passes ``past_key_values=`` up to transformers 5.23 and ``cache=`` from 5.24."""
 
     def __init__(
         self, model: torch.nn.Module, forward: Any, config: CompileConfig | None, overrides: dict[str, Any]
     ) -> None:
         self.model = model
         self.original = forward
-        self._config = config
-        self._overrides = overrides
-        self.compiled: dict[tuple[str, int, str, frozenset[str]], CompiledModel] = {}
-        self.eager_steps = 0  # steps run eagerly (a size of 1: see __call__)
+        self.compiled = tessera_compile(
+            forward, config, dynamic_dims=_PREFILL_DIMS_4D_MASK, prefix="generate", **overrides
+        )
+        self.compiled._soft_dims = True
+        self.compiled._mark_nested = _mark_growing
         self.__signature__ = inspect.signature(forward)
-
-    def _model_for(
-        self, phase: str, cache: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> CompiledModel:
-        # The batch too: generate() keeps it fixed for a whole call, and traces stay static in it.
-        # Dim 0 of the batch-first inputs (ids, mask, positions: some broadcast it from 1); a 1-D
-        # tensor is no batch (transformers 4.x passes cache_position, one entry per new token).
-        values = (*args, *kwargs.values())
-        batch = max((v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), default=0)
-        given = frozenset(_given(k, v) for k, v in kwargs.items() if v is not None)
-        kind = (phase, batch, _cache_kind(cache), given)
-        compiled = self.compiled.get(kind)
-        if compiled is None:
-            if len(self.compiled) >= self.MAX_KINDS:
-                raise ConfigError(
-                    f"compile_for_generate: more than {self.MAX_KINDS} kinds of call (phase, batch, "
-                    f"cache, keywords): {sorted(map(str, self.compiled))}. Call restore() and compile "
-                    "the kinds you use with tessera.compile"
-                )
-            dims = _DECODE_DIMS
-            if phase == "prefill":
-                mask = kwargs.get("attention_mask")
-                four_d = isinstance(mask, torch.Tensor) and mask.dim() == 4
-                dims = _PREFILL_DIMS_4D_MASK if four_d else _PREFILL_DIMS
-            compiled = tessera_compile(
-                self.original, self._config, dynamic_dims=dims, prefix=phase, **self._overrides
-            )
-            compiled._soft_dims = True
-            compiled._mark_nested = _mark_cache_lengths if phase == "decode" else _mark_mask_sequences
-            self.compiled[kind] = compiled
-        return compiled
 
     @property
     def models(self) -> list[CompiledModel]:
-        """The compiled models so far, one per kind of call."""
-        return list(self.compiled.values())
+        """The compiled model (one: its traces are the kinds of call, ``models[0].traces``)."""
+        return [self.compiled]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = find_cache(args, kwargs)
-        length = _cache_length(cache)
-        size = length or _new_tokens(args, kwargs)  # the size dynamic in this phase's trace
-        if size is not None and size < 2:
-            # Dynamo traces a dynamic size as >= 2: a trace made at 1 would be static there and
-            # refuse the next size, and a general trace does not serve 1. tessera's own trace for
-            # a size under 2 needs the size's floor to be a guard of its own, and here it is not
-            # always (a sliding window bounds the prompt in the same guard; transformers 4.x's mask
-            # is one longer than the cache). So a one-token prompt's prefill, and the decode step
-            # after it (cache length 1), run eagerly: two steps of such a generate() call.
-            if not self.eager_steps:
-                log.info("generate(): a prefill of one token and a decode at cache length 1 run eagerly")
-            self.eager_steps += 1
-            return self.original(*args, **kwargs)
-        if not length:
+        if _cache_length(cache):
+            # One layout for the cache at every step: prefill leaves its keys as views in the
+            # heads-second order, while Inductor's decode writes them contiguous; a copy only
+            # where a tensor is not contiguous, so decode steps share one trace.
+            _contiguous_cache(cache)
+        else:
             kwargs = _masks_of_their_own(kwargs)
-            return self._model_for("prefill", cache, args, kwargs)(*args, **kwargs)
-        decode = self._model_for("decode", cache, args, kwargs)
-        # One layout for the cache at every step: prefill leaves its keys as views in the heads-
-        # second order, while Inductor's decode writes them contiguous; the decode graph is traced
-        # (and checked) for the layout it writes. A copy only where a tensor is not contiguous.
-        _contiguous_cache(cache)
-        return decode(*args, **kwargs)
+        return self.compiled(*args, **kwargs)
 
     def restore(self) -> None:
         """Give the model its own forward back."""
         self.model.forward = self.original  # type: ignore[method-assign]
+
+
+def _mark_growing(values: dict[str, Any]) -> None:
+    """What grows in generate(): a dynamic cache's length, and each 4-D mask's queries and keys."""
+    _mark_cache_lengths(values)
+    _mark_mask_sequences(values)
 
 
 @functools.cache
@@ -297,12 +250,6 @@ def _mark_cache_lengths(values: dict[str, Any]) -> None:
                     and "Static" not in type(layer).__name__
                 ):
                     dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2)
-
-
-def _new_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """How many tokens a call feeds (the sequence dim of its ids or embeddings), if it says."""
-    values = [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args[:1]]
-    return next((int(v.shape[1]) for v in values if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
 
 
 def _masks_of_their_own(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from tessera.backend import GraphReceiver, PiecewiseBackend
 from tessera.cache.remote import RemoteTier
 from tessera.compile_state import COMPILE_LOCK
 from tessera.config import CompileConfig
-from tessera.errors import SizeFixedError, TesseraError
+from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
 from tessera.report import TraceReport
 from tessera.wrapper import (
@@ -138,6 +138,7 @@ class Traces:
         self.trace_seconds = 0.0
         self.warm_refused: str | None = None  # why a saved trace did not serve the first call
         self._said: set[str] = set()
+        self._by_graph: dict[str, PiecewiseBackend] = {}  # the backends traced here, by graph
 
     # -- making entries ---------------------------------------------------------------------
     def load_saved(self) -> None:
@@ -203,10 +204,10 @@ class Traces:
             # as Dynamo does by default, which makes sizes 0 and 1 static.
             log.info("%s: %s; traced for that size", self.model.name, e)
             return self._trace_with(args, kwargs, values, choice, reason, False)
-        except (SizeFixedError, TesseraError):
+        except SizeFixedError:
             raise
         except Exception as e:
-            if not oblivious:
+            if not oblivious or (isinstance(e, TesseraError) and not isinstance(e, UnsupportedModelError)):
                 raise
             # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
             # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
@@ -231,6 +232,7 @@ class Traces:
             context.remote,
             serve_traced=True,
             fingerprint=context.fingerprint,
+            shared=self._by_graph,
         )
         start = time.perf_counter()
         versions = _versions(args, kwargs)
@@ -273,6 +275,11 @@ class Traces:
             self._say(
                 f"{model.name}: trace {entry.number} of at most {self.config.max_traces}, because {reason}"
             )
+        shared = next((e for e in self.entries[:-1] if e.backend is backend), None)
+        if shared is not None:  # the graph of an earlier trace: its pieces serve this one too
+            self._say(f"{model.name}: trace {entry.number} has the graph of trace {shared.number}, shared")
+            backend.after_ready(functools.partial(self._save, entry))
+            return trace.output
         backend.start_background(functools.partial(self._save, entry))
         if not backend.ready.is_set():
             backend.artifact_status = "to be written once every size is compiled"

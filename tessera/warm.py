@@ -56,17 +56,24 @@ def load(
         return [], str(e)
     saved: list[SavedTrace] = []
     refused = None if listed else "no whole-model artifact for this model yet"
-    for entry_path, reason, model_sha in listed:
+    # Traces of one graph share an entry (and its pieces): each entry is rebuilt once.
+    by_entry: dict[Path, list[tuple[str, str]]] = {}
+    for entry_path, reason, key in listed:
+        by_entry.setdefault(entry_path, []).append((key, reason))
+    for entry_path, traces in by_entry.items():
         try:
-            backend, call, spec = PiecewiseBackend.from_entry(
-                config, compiler, root, prefix, entry_path, traced_fn, model_sha
+            backend, calls = PiecewiseBackend.from_entry(
+                config, compiler, root, prefix, entry_path, traced_fn, [key for key, _ in traces]
             )
         except WarmStartUnavailable as e:
             counters.bump("warm_start_fallbacks")
             refused = str(e)
             log.info("%s: a saved trace does not load (%s)", prefix, e)
             continue
-        saved.append(SavedTrace(backend, call, spec, reason))
+        for key, reason in traces:
+            if key in calls or (not key and len(calls) == 1):
+                call, spec = calls[key] if key in calls else next(iter(calls.values()))
+                saved.append(SavedTrace(backend, call, spec, reason))
     return saved, refused
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import importlib.util
 import io
 import json
@@ -45,9 +46,10 @@ from tessera.piece import PieceRecord
 from tessera.wrapper import NotPortable, PortableCode, resolve_globals
 
 WARM_DIR = "warm"
-# 8: PortableCode binds every global Dynamo installed (7 lost the alias of a script's __main__)
-# and records the names the code reads from each module; 7: the pickled CallSpec moved
-FORMAT = 8
+# 9: one artifact holds every trace of one graph (variants); 8: PortableCode binds every global
+# Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
+# from each module; 7: the pickled CallSpec moved
+FORMAT = 9
 
 
 class WarmStartUnavailable(Exception):
@@ -188,12 +190,27 @@ def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One trace of the entry's graph: Dynamo's bytecode and what the trace assumed of a call.
+    Traces of one model whose graphs are the same (a branch whose sides do the same thing, a
+    kernel's bound on a size) share the pieces and differ only here."""
+
+    key: str  # digest of the two, named by the model's pointer
+    code: PortableCode  # Dynamo's bytecode: calls the split module with the graph inputs
+    call_spec: CallSpec
+
+    @classmethod
+    def of(cls, code: PortableCode, call_spec: CallSpec) -> Variant:
+        return cls(hashlib.sha256(_dumps((code, call_spec))).hexdigest()[:20], code, call_spec)
+
+
+@dataclass(frozen=True)
 class ModelArtifact:
     """Everything but the piece artifacts, which stay content-addressed in the entry."""
 
     format: int
     python: str
-    code: PortableCode  # Dynamo's bytecode: calls the split module with the graph inputs
+    variants: tuple[Variant, ...]  # every trace of this graph saved so far
     split_module: PortableModule  # calls the pieces in order
     modules: tuple[tuple[str, PortableModule], ...]  # splitting piece -> its module
     graphs: tuple[tuple[str, bytes], ...]  # content -> dump_graph of a piece (for compilers that need it)
@@ -201,7 +218,14 @@ class ModelArtifact:
     pieces: tuple[PieceRecord, ...]  # the compiled pieces' records
     layouts: tuple[tuple[str, OutputLayout | None], ...]  # splitting piece -> output strides
     sources: tuple[SourceFile, ...]
-    call_spec: CallSpec  # what the trace assumed of every call
+
+    def with_variants_of(self, other: ModelArtifact | None) -> ModelArtifact:
+        """This artifact, keeping ``other``'s traces too when it is of the same split graph."""
+        if other is None or other.split_module != self.split_module or other.pieces != self.pieces:
+            return self
+        keys = {v.key for v in self.variants}
+        kept = tuple(v for v in other.variants if v.key not in keys)
+        return dataclasses.replace(self, variants=kept + self.variants)
 
 
 def make(
@@ -231,7 +255,7 @@ def make(
     return ModelArtifact(
         format=FORMAT,
         python=platform.python_version(),
-        code=code,
+        variants=(Variant.of(code, call_spec),),
         split_module=PortableModule.of(split_gm),
         modules=tuple(modules.items()),
         graphs=tuple(graphs.items()),
@@ -239,7 +263,6 @@ def make(
         pieces=tuple(dataclasses.replace(p, served=()) for p in pieces),
         layouts=tuple(layouts),
         sources=tuple(sources),
-        call_spec=call_spec,
     )
 
 
@@ -263,11 +286,15 @@ def loads(data: bytes) -> ModelArtifact:
                 raise WarmStartUnavailable(f"{source.path} changed since the artifact was made")
         except OSError as e:
             raise WarmStartUnavailable(f"{source.path} is not readable") from e
+    return artifact
+
+
+def check_binds(variant: Variant) -> None:
+    """WarmStartUnavailable unless the variant's bytecode binds its globals in this process."""
     try:
-        resolve_globals(artifact.code)  # bound again by the rebuild; checked before any kernel loads
+        resolve_globals(variant.code)  # bound again by the rebuild; checked before any kernel loads
     except NotPortable as e:  # a name of the user's script this process does not define
         raise WarmStartUnavailable(f"Dynamo's bytecode does not bind here: {e}") from e
-    return artifact
 
 
 def pointer_path(root: Path, fingerprint: str) -> Path:
@@ -291,7 +318,7 @@ def write_pointer(
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         try:
-            entries = [e for e in _read_entries(path) if e["entry"] != relative]
+            entries = [e for e in _read_entries(path) if (e["entry"], e["model"]) != (relative, model_sha)]
         except (WarmStartUnavailable, OtherPath):
             entries = []
         entries.append({"entry": relative, "reason": reason, "model": model_sha})
