@@ -228,7 +228,68 @@ def defaults(repeats: int) -> dict[str, Any]:
     }
 
 
+def traces(repeats: int) -> dict[str, Any]:
+    """The call at batch 1 (one token) when a model holds one trace, when it holds several (the
+    other traces made by calls with positions of other integer dtypes), and when calls alternate
+    between two traces (each call then passes the check of the trace that served last after failing
+    the other's). The eager compiler on a 12-layer tiny model shows tessera's own cost per call;
+    the 4-layer Inductor model what a user sees. Interleaved rounds, medians; against eager.
+    """
+    tiny: dict[str, Any] = {
+        "num_layers": 12,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+    }
+    out: dict[str, Any] = {}
+    for label, sizes, backend in (
+        ("eager_compiler", tiny, "eager"),
+        ("inductor", INDUCTOR_MODEL, "inductor"),
+    ):
+        model = toy_llama.build(**sizes)
+        one = tessera.compile(model, backend=backend, disable_cache=True)
+        several = tessera.compile(model, backend=backend, disable_cache=True)
+        ids, positions = toy_llama.example_inputs(1)
+        others = [(ids, positions.to(dtype)) for dtype in (torch.int32, torch.int16, torch.uint8)]
+        with torch.no_grad():
+            one(ids, positions)
+            for call in [(ids, positions), *others]:
+                several(*call)
+            several(ids, positions)  # served last: the batch-1 trace
+        alternating_calls = [(ids, positions), others[0]]
+
+        fns: dict[str, Callable[..., Any]] = {"eager": model, "one_trace": one, "several_traces": several}
+        samples: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                seconds = per_call_seconds(fn, ids, positions, warmup=2, repeats=1, inner=20)
+                samples.setdefault(name, []).append(seconds)
+            pair = per_call_seconds(_alternate, several, alternating_calls, warmup=2, repeats=1, inner=20) / 2
+            eager_pair = (
+                per_call_seconds(_alternate, model, alternating_calls, warmup=2, repeats=1, inner=20) / 2
+            )
+            samples.setdefault("alternating", []).append(pair)
+            samples.setdefault("eager_alternating", []).append(eager_pair)
+        ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+        out[label] = {
+            "model": sizes,
+            "traces_held": {"one_trace": len(one.traces), "several_traces": len(several.traces)},
+            **{f"{name}_ms": value for name, value in ms.items()},
+            "one_trace_over_eager": ms["one_trace"] / ms["eager"],
+            "several_traces_over_eager": ms["several_traces"] / ms["eager"],
+            "alternating_over_eager": ms["alternating"] / ms["eager_alternating"],
+        }
+    return out
+
+
+def _alternate(fn: Callable[..., Any], calls: list[tuple[Any, ...]]) -> None:
+    for call in calls:
+        fn(*call)
+
+
 SECTIONS = {
+    "traces": traces,
     "dispatch_overhead": dispatch_overhead,
     "inductor": inductor_latency,
     "variants": variants,

@@ -185,6 +185,36 @@ def single_trace_settings(
         yield
 
 
+def size_oblivious_enabled() -> bool:
+    """Whether backed sizes are reasoned about size-obliviously now (torch.fx.experimental._config,
+    torch 2.11-2.15): set while tessera traces, and needed again by every compile of that trace."""
+    from torch.fx.experimental import _config as fx_config
+
+    return bool(getattr(fx_config, "backed_size_oblivious", False))
+
+
+@contextlib.contextmanager
+def size_oblivious() -> Iterator[None]:
+    """Backed sizes reasoned about as if >= 2 while a size-oblivious trace's graph is compiled:
+    Inductor's own shape decisions would otherwise read a size-1 hint as the size and specialise
+    the general artifact to it (a trace made at size 1 then served size 3 wrongly)."""
+    from torch.fx.experimental import _config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+        yield
+
+
+def override_size_hint(tensor: torch.Tensor, dim: int, hint: int) -> None:
+    """Trace ``tensor``'s dim with ``hint`` as its size hint (what ``mark_dynamic(...,
+    hint_override=)`` records, torch 2.11-2.15, read for every mark kind when the tensor is
+    fakified): decisions made on the hint (Inductor's code generation) see a general size."""
+    overrides = getattr(tensor, "_dynamo_hint_overrides", None)
+    if overrides is None:
+        overrides = {}
+        tensor._dynamo_hint_overrides = overrides  # type: ignore[attr-defined]
+    overrides[dim] = hint
+
+
 def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
     """``torch._dynamo.decorators.mark_unbacked`` (torch 2.11-2.13)."""
     from torch._dynamo.decorators import mark_unbacked as mark

@@ -73,18 +73,22 @@ class CompileState:
 
     autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) for each autocast on
     default_dtype: torch.dtype
+    size_oblivious: bool = False  # the trace was size-oblivious: so must its compiles be
 
     @classmethod
     def current(cls) -> CompileState:
         """The calling thread's state (taken where the trace runs)."""
         autocast, default_dtype, _ = _compat.call_state()  # what the call check compares, too
-        return cls(autocast, default_dtype)
+        return cls(autocast, default_dtype, _compat.size_oblivious_enabled())
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Run a compile under this state, in any thread: no grad, this autocast, this dtype."""
+        """Run a compile under this state, in any thread: no grad, this autocast, this dtype, and
+        size-oblivious reasoning where the trace had it."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
+            if self.size_oblivious:
+                stack.enter_context(_compat.size_oblivious())
             for device in AUTOCAST_DEVICES:
                 if torch.is_autocast_enabled(device) and device not in dict(self.autocast):
                     stack.enter_context(torch.autocast(device, enabled=False))

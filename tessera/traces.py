@@ -250,6 +250,16 @@ class Traces:
             dynamo = _compat.dynamo()
             for tensor, dim in self._nested_tensors(args, kwargs):
                 dynamo.maybe_mark_dynamic(tensor, dim)
+            small = 0
+            if oblivious:
+                # A dynamic size of 0 or 1 traced with a general hint: Inductor reads the hint as
+                # the size where it decides (a kernel for one row served two wrongly). The trace
+                # is kept only if this call holds every guard it made (_recorder).
+                for name, dim in choice.dims:
+                    value = values.get(name)
+                    if isinstance(value, torch.Tensor) and dim < value.dim() and value.shape[dim] < 2:
+                        _compat.override_size_hint(value, dim, _GENERAL_HINT)
+                        small += 1
             trace = trace_once(
                 model.traced_fn,
                 receiver,
@@ -257,7 +267,7 @@ class Traces:
                 args,
                 kwargs,
                 model.func.__qualname__,
-                self._recorder(args, kwargs, choice, oblivious),
+                self._recorder(args, kwargs, choice, oblivious, small > 0),
                 self.plan.state,
                 size_oblivious=oblivious,
             )
@@ -394,7 +404,12 @@ class Traces:
 
     # -- the call check of a trace ----------------------------------------------------------------
     def _recorder(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], choice: DynamicChoice, oblivious: bool
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        choice: DynamicChoice,
+        oblivious: bool,
+        hinted: bool = False,
     ) -> Callable[..., call_check.CallSpec]:
         """What reads Dynamo's guards into the call spec: called during the trace, after the graph
         is compiled and before the first call runs (so a model that appends to a list argument
@@ -441,6 +456,10 @@ class Traces:
             at_one = [a.label for a in floors if a.expr in broken_now]
             if at_one:
                 raise _TracedAtOne(f"the graph treats a size of this call apart ({at_one[0]})")
+            if hinted and broken_now:
+                raise _TracedAtOne(
+                    f"a trace with a general size hint does not hold for this call ({sorted(broken_now)[0]})"
+                )
             # An assumption the very call it came from breaks is a translation tessera cannot
             # check: say so (it would refuse every call), and keep the rest.
             broken = broken_now
@@ -586,6 +605,10 @@ class Traces:
             )
             for e in self.entries
         )
+
+
+# The size hint a dynamic size of 0 or 1 is traced with (see Traces._trace_with).
+_GENERAL_HINT = 8
 
 
 class _TracedAtOne(Exception):

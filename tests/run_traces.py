@@ -128,7 +128,7 @@ def main() -> int:
             "refused": refused,
             "reasons": [e.reason for e in compiled.traces],
         }
-    print(json.dumps(out))
+    json.dump(out, sys.stdout)
     return 0
 
 
