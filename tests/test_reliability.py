@@ -70,8 +70,11 @@ def forward_with_options(x, residual=None, alpha=1.0):
 @pytest.mark.parametrize(
     ("call", "words"),
     [
-        (lambda c, x: c(x, residual=torch.ones_like(x)), "argument 'residual': the first call left it out"),
-        (lambda c, x: c(x, alpha=2.0), "argument 'alpha': the first call left it out"),
+        (
+            lambda c, x: c(x, residual=torch.ones_like(x)),
+            "argument 'residual': the trace was made without it",
+        ),
+        (lambda c, x: c(x, alpha=2.0), "argument 'alpha': the trace was made without it"),
         (lambda c, x: c(x.to(torch.bfloat16)), "x: dtype: the trace assumed torch.float32"),
         (lambda c, x: c(x.to("meta")), "x: device"),
         (lambda c, x: c(torch.randn(4, 5)), "x: size of dim 1 (static): the trace assumed 3"),
@@ -79,11 +82,21 @@ def forward_with_options(x, residual=None, alpha=1.0):
     ],
 )
 def test_a_call_unlike_the_first_is_refused_by_name(call, words):
-    compiled = tessera.compile(forward_with_options, backend="eager")
+    """With max_traces=1 (trace once) a call unlike the first is refused, naming the difference;
+    by default it is traced again and equals eager."""
+    compiled = tessera.compile(forward_with_options, backend="eager", max_traces=1)
     x = torch.randn(4, 3)
     torch.testing.assert_close(compiled(x), x)
     with pytest.raises(InputMismatchError, match=words.replace("(", r"\(").replace(")", r"\)")):
         call(compiled, x)
+    if "meta" not in words and "device" not in words:
+        retraced = tessera.compile(forward_with_options, backend="eager", disable_cache=True)
+        retraced(x)
+        torch.manual_seed(0)  # the same arguments for both (some calls make random ones)
+        expected = call(lambda *a, **k: forward_with_options(*a, **k), x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(call(retraced, x), expected)
+        assert len(retraced.traces) == 2 and words.split(":")[0] in retraced.traces[1].reason
     assert isinstance(InputMismatchError("x"), tessera.TesseraError)
     # Calls like the first, in another syntax, still run (and give eager's numbers).
     torch.testing.assert_close(compiled(x, None, 1.0), x)
@@ -92,7 +105,7 @@ def test_a_call_unlike_the_first_is_refused_by_name(call, words):
 
 
 def test_a_scalar_of_another_type_is_refused_even_when_equal():
-    compiled = tessera.compile(forward_with_options, backend="eager")
+    compiled = tessera.compile(forward_with_options, backend="eager", max_traces=1)
     x = torch.arange(6).reshape(2, 3)
     torch.testing.assert_close(compiled(x, alpha=2), x * 2)
     with pytest.raises(InputMismatchError, match="alpha: type: the trace assumed int, this call has float"):
@@ -103,7 +116,7 @@ def test_a_scalar_of_another_type_is_refused_even_when_equal():
 
 
 def test_first_call_with_the_keyword_then_without_is_refused():
-    compiled = tessera.compile(forward_with_options, backend="eager")
+    compiled = tessera.compile(forward_with_options, backend="eager", max_traces=1)
     x = torch.randn(4, 3)
     torch.testing.assert_close(compiled(x, residual=x, alpha=2.0), 3 * x)
     with pytest.raises(
@@ -118,7 +131,7 @@ def test_first_call_with_the_keyword_then_without_is_refused():
 def test_int32_token_ids_are_refused_before_any_kernel_runs():
     """Compiled kernels index with the traced dtype: int32 ids aborted the process before."""
     model = toy_llama.build(num_layers=1)
-    compiled = tessera.compile(model, backend="inductor", disable_cache=True)
+    compiled = tessera.compile(model, backend="inductor", disable_cache=True, max_traces=1)
     run_toy(compiled, model, sizes=(5,))
     ids, pos = toy_llama.example_inputs(7)
     with pytest.raises(InputMismatchError, match=r"input_ids: dtype: the trace assumed torch\.int64"):
@@ -130,7 +143,7 @@ def test_check_inputs_false_is_the_raw_path():
     compiled = tessera.compile(forward_with_options, backend="eager", check_inputs=False)
     x = torch.randn(4, 3)
     compiled(x)
-    assert compiled.call_spec is not None and compiled._life.call is compiled._life.fast
+    assert compiled.call_spec is not None and compiled._life.call is compiled.traces[0].fast
 
 
 # -- the model you pass is the model that runs ----------------------------------------------------
