@@ -397,6 +397,7 @@ class CompiledModel:
         try:
             traces.load_saved()
         except model_artifact.OtherPath as e:  # recorded by an earlier process: graph breaks
+            traces.warm_refused = str(e)
             log.info("%s: %s (recorded by an earlier process)", self.name, e)
             return self._start_guarded(args, kwargs, values, e.reason)
         loaded = len(traces.entries)

@@ -671,9 +671,9 @@ class PiecewiseBackend:
 
     @property
     def compile_sizes(self) -> tuple[int, ...]:
-        """The compile sizes this trace serves: a backed trace is made for sizes >= 2 (Dynamo's
-        0/1 specialisation), and calls of size 0 or 1 are served by a trace of their own (api.py)."""
-        if self.config.dynamic_shapes == "unbacked":
+        """The compile sizes this trace serves: every size for an unbacked or size-oblivious
+        trace; sizes >= 2 for a trace Dynamo specialised at 0 and 1 (those have traces of their own)."""
+        if self.config.dynamic_shapes == "unbacked" or self.state.size_oblivious:
             return tuple(self.config.compile_sizes)
         return tuple(s for s in self.config.compile_sizes if s >= 2)
 

@@ -143,14 +143,19 @@ def test_without_serving_while_compiling_the_first_output_waits_for_the_general_
     assert compiled.wait_ready(60)
 
 
-def test_a_first_call_of_a_small_listed_size_is_compiled_at_once(gated):
-    # A size-1 decode service: its trace is its whole workload, so it never serves as traced.
+def test_a_size_one_service_gets_its_listed_size_from_the_general_trace(gated):
+    # A size-1 decode service: the first call, of size 1, is the general trace (size-oblivious),
+    # served as traced until its general artifact, then by the size-1 artifact once compiled.
     gated.general_gate.set()
+    gated.gate.set()
     model, compiled = gated_model(1, compile_sizes=[1, 8])
+    args = toy_llama.example_inputs(1)
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert compiled.wait_ready(60)
     for _ in range(3):
-        args = toy_llama.example_inputs(1)
         torch.testing.assert_close(compiled(*args), model(*args))
-    assert gated.compiled_calls == [None] * 3 * 2, "every call of both pieces on a compiled artifact"
+    assert set(gated.compiled) == {None, 1, 8}
+    assert served(compiled)["size 1"] == 3 and len(compiled.traces) == 1
 
 
 def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep_serving(gated, caplog):

@@ -175,11 +175,10 @@ def test_dynamic_shape_modes_match_eager_from_a_first_call_of_size_one(mode, bac
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend=backend, dynamic_shapes=mode, disable_cache=True)
     run_toy(compiled, model, sizes=(1,))
-    if mode == "unbacked":  # no 0/1 specialisation: the first call, of size 1, is the trace
-        assert tessera.counters.snapshot()["graphs_traced"] == 1
+    assert tessera.counters.snapshot()["graphs_traced"] == 1  # the first call, of size 1, is the trace
     run_toy(compiled, model, sizes=(2, 7, 64, 1))
-    # Backed sizes are traced as >= 2 (Dynamo's 0/1 specialisation): size 1 has its own trace.
-    assert tessera.counters.snapshot()["graphs_traced"] == (1 if mode == "unbacked" else 2)
+    # Every mode serves every size from that trace: the model does not treat size 1 apart.
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
 
 
 def test_unknown_dynamic_shape_mode_is_a_config_error():
@@ -234,18 +233,18 @@ def test_on_compiled_must_be_callable():
         tessera.compile(mlp, on_compiled="print")
 
 
-def test_a_compiled_model_says_its_stage_unbuilt_until_its_general_trace_then_ready():
+def test_a_compiled_model_says_its_stage_unbuilt_until_its_first_trace_then_ready():
     from tessera.api import Stage
 
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[4])
     assert compiled.stage is Stage.UNBUILT
-    args = toy_llama.example_inputs(1)  # size 1: served by a trace of its own, the general waits
+    args = toy_llama.example_inputs(1)
     torch.testing.assert_close(compiled(*args), model(*args))
-    assert compiled.stage is Stage.UNBUILT
+    assert compiled.stage is Stage.READY
     args = toy_llama.example_inputs(6)
     torch.testing.assert_close(compiled(*args), model(*args))
     assert compiled.stage is Stage.READY
     with pytest.raises(tessera.TesseraError):
-        compiled(torch.zeros(2, 3, 5))  # not what the trace saw: refused, and still ready
+        compiled(torch.zeros(2, 3, 5))  # eager fails on it too (a TesseraError says so), still ready
     assert compiled.stage is Stage.READY

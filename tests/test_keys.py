@@ -70,12 +70,10 @@ def test_an_entry_has_one_key_whether_created_or_opened_warm():
 
 def test_fingerprint_is_a_key_record_of_its_factors():
     model = toy_llama.build(num_layers=1)
-    ids, pos = toy_llama.example_inputs(5)
     record = fingerprint_record(
         type(model).forward,
         model,
-        {"input_ids": ids, "positions": pos},
-        [],
+        None,
         CompileConfig(),
         "h",
         "model",

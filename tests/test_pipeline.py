@@ -23,10 +23,8 @@ def _check_equal(compiled, model, sizes=SIZES):
 def test_toy_llama_piece_structure_and_numbers(layers):
     model = toy_llama.build(num_layers=layers)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[16], compile_ranges=[8])
-    # Two traces: the general one, and one for size 1 (Dynamo traces dynamic sizes as >= 2).
-    with tessera.counters.expect(
-        graphs_traced=2, pieces=2 * (2 * layers + 1), compiled_pieces=2 * (layers + 1)
-    ):
+    # One trace serves every size, 1 included (the model does not treat size 1 apart).
+    with tessera.counters.expect(graphs_traced=1, pieces=2 * layers + 1, compiled_pieces=layers + 1):
         _check_equal(compiled, model)
     assert len(compiled.pieces) == 2 * layers + 1
     assert sum(not p.is_splitting for p in compiled.pieces) == layers + 1
@@ -35,10 +33,10 @@ def test_toy_llama_piece_structure_and_numbers(layers):
 def test_dispatch_records_show_which_artifact_served_each_size():
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend="eager", compile_sizes=[16], compile_ranges=[8])
-    _check_equal(compiled, model)  # 3 -> [1,8]; 1 -> its own trace; 16 -> size 16; 17, 64 -> [9,max]
+    _check_equal(compiled, model)  # 3, 1 -> [1,8]; 16 -> size 16; 17, 64 -> [9,max]
     for record in compiled.pieces:
         if not record.is_splitting:
-            assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 1, "range [9,max]": 2}
+            assert dict(record.served) == {"general": 0, "size 16": 1, "range [1,8]": 2, "range [9,max]": 2}
     runner = compiled.split_graph.__dict__["submod_0"]
     assert [runner.artifact_for(n) for n in (0, 5, 16, 40)] == [
         "general",
@@ -64,7 +62,7 @@ def test_trace_once_keeps_first_branch_and_stock_retraces():
             return x * 2
         return x - 1
 
-    once = tessera.compile(branchy, mode="trace_once", backend="eager")
+    once = tessera.compile(branchy, mode="trace_once", backend="eager", max_traces=1)
     torch.testing.assert_close(once(torch.ones(8, 2)), torch.full((8, 2), 2.0))
     torch.testing.assert_close(once(torch.ones(6, 2)), torch.full((6, 2), 2.0))
     # The branch's guard (size >= 5) is part of the call check: never the other branch's answer.
@@ -72,6 +70,15 @@ def test_trace_once_keeps_first_branch_and_stock_retraces():
         once(torch.ones(2, 2))
     assert tessera.counters.snapshot()["graphs_traced"] == 1
     assert len(once.pieces) == 1
+    # By default the other branch is traced when a call takes it, as stock torch.compile does.
+    tessera.counters.reset()
+    retraced = tessera.compile(branchy, mode="trace_once", backend="eager")
+    torch.testing.assert_close(retraced(torch.ones(8, 2)), torch.full((8, 2), 2.0))
+    torch.testing.assert_close(retraced(torch.ones(2, 2)), torch.zeros(2, 2))
+    torch.testing.assert_close(retraced(torch.ones(1, 2)), torch.zeros(1, 2))
+    # The first trace loaded (the same model's, saved above), the other branch's traced here.
+    assert [e.loaded for e in retraced.traces] == [True, False]
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
 
     tessera.counters.reset()
     torch._dynamo.reset()
@@ -136,13 +143,12 @@ def test_legacy_fx_cache_compiler_is_refused_with_a_clear_error():
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
-def test_size_one_first_call_gets_its_own_trace_and_the_general_one_waits(backend):
-    """Dynamo specializes a size-1 trace: it serves size 1 only; the first general size traces."""
+def test_a_first_call_of_size_one_makes_the_general_trace(backend):
+    """Traced size-obliviously, a first call of size 1 makes the trace every size uses: the model
+    does not treat size 1 apart, so one trace serves 1, 5, 2 and 9."""
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, backend=backend)
     with tessera.counters.expect(graphs_traced=1):
-        _check_equal(compiled, model, sizes=(1, 1))
-    assert compiled.pieces == ()
-    with tessera.counters.expect(graphs_traced=1):
-        _check_equal(compiled, model, sizes=(5, 1, 2, 9))
-    assert dict(compiled.pieces[0].served) == {"general": 3}
+        _check_equal(compiled, model, sizes=(1, 1, 5, 2, 9))
+    assert len(compiled.traces) == 1
+    assert dict(compiled.pieces[0].served) == {"general": 5}

@@ -35,16 +35,15 @@ def test_silly_attention_with_compile_sizes_counts():
         compile_sizes=[1, 2],
         dynamic_dims={"x": 0},
     )
-    with tessera.counters.expect(graphs_traced=1, pieces=5, compiled_pieces=3, backend_compilations=6):
+    with tessera.counters.expect(graphs_traced=1, pieces=5, compiled_pieces=3, backend_compilations=9):
         compiled(*_inputs(4))
     for n in (1, 2, 3, 7):
         torch.testing.assert_close(compiled(*_inputs(n)), silly_model(*_inputs(n)))
-    # Size 1 is served by a trace of its own (the general trace is made for sizes >= 2), so the
-    # general trace compiles no size-1 artifact.
-    assert tessera.counters.snapshot()["graphs_traced"] == 2
+    # The trace is size-oblivious, so it serves size 1 too, with a size-1 artifact of its own.
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
     first = compiled.pieces[0]
-    assert first.artifacts == ("general", "size 2")
-    assert dict(first.served) == {"general": 3, "size 2": 1}
+    assert first.artifacts == ("general", "size 1", "size 2")
+    assert dict(first.served) == {"general": 3, "size 1": 1, "size 2": 1}
 
 
 def test_unmodified_sdpa_function_splits_with_default_ops():
