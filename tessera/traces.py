@@ -44,6 +44,7 @@ from tessera.report import TraceReport
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
+    TraceAgain,
     bind_arguments,
     choose_dynamic_dims,
     mark_dynamic,
@@ -611,7 +612,7 @@ class Traces:
 _GENERAL_HINT = 8
 
 
-class _TracedAtOne(Exception):
+class _TracedAtOne(TraceAgain):
     """A size-oblivious trace made at a size one of its ops treats apart (size 1 for a squeeze)."""
 
 

@@ -209,6 +209,8 @@ def trace_once(
         try:
             facts = [_compat.guard_fact(e) for e in entries]
             read.append(on_guards(facts, symbolic, any(writes), frozenset(not_at_one)))
+        except TraceAgain:
+            raise  # before the frame runs: the call's side effects happen once, in the next trace
         except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
             failed.append(e)
         return [False] * len(entries)
@@ -223,7 +225,7 @@ def trace_once(
     handle = _compat.register_bytecode_hook(hook)
     try:
         with _compat.single_trace_settings(dynamic_state, size_oblivious):
-            output = compiled(target, *args, **kwargs)
+            output = _traced_call(compiled, target, args, kwargs)
     except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error
         # stays reachable as .dynamo_error instead of being printed as the cause.
@@ -236,6 +238,8 @@ def trace_once(
             f"{name}: the code fixes the size of a dim traced as dynamic "
             f"({first[0] if first else type(e).__name__})"
         ) from e
+    except TraceAgain:
+        raise
     except Exception as e:
         # Our backend's own errors (a ConfigError about compile_sizes) reach the user as they are,
         # not wrapped in Dynamo's BackendCompilerFailed, chained to their own cause as raised.
@@ -288,6 +292,29 @@ def size_one_symbols(gm: torch.fx.GraphModule) -> frozenset[str]:
             if isinstance(size, torch.SymInt):
                 out.update(str(s) for s in _compat.sym_expr(size).free_symbols)
     return frozenset(out)
+
+
+class TraceAgain(Exception):
+    """Raised by a guard reader to end a trace before its frame runs (the call's side effects, a
+    KV cache's writes, must happen once): the trace does not hold for the very call it was made
+    from, and the caller traces again another way."""
+
+
+def _traced_call(compiled: Callable[..., Any], target: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """``compiled(target, *args, **kwargs)``, with a TraceAgain Dynamo wrapped unwrapped."""
+    try:
+        return compiled(target, *args, **kwargs)
+    except TraceAgain:
+        raise
+    except Exception as e:
+        cause: BaseException | None = e
+        for _ in range(8):  # Dynamo wraps an error of a guard callback in its own
+            if cause is None or isinstance(cause, TraceAgain):
+                break
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, TraceAgain):
+            raise cause from None
+        raise
 
 
 def graph_writes_in_place(gm: torch.fx.GraphModule) -> bool:
