@@ -2,7 +2,7 @@
 
 Trace path: Dynamo calls it with the traced graph → split module → per-piece records from the
 example values → runners (compiled or loaded per size) swapped into the split module. Warm path:
-``from_artifact`` builds the same state from the whole-model artifact, without Dynamo. Either way
+``from_entry`` builds the same state from the whole-model artifact, without Dynamo. Either way
 the backend writes its own whole-model artifact (``save_artifact``).
 """
 
@@ -148,7 +148,7 @@ class PiecewiseBackend:
     """Splits, compiles or loads, and dispatches the pieces of one model.
 
     Built whole by one of two classmethods: ``from_trace`` (Dynamo's graph, through
-    ``GraphReceiver``) or ``from_artifact`` (the whole-model artifact of a warm start). The
+    ``GraphReceiver``) or ``from_entry`` (the whole-model artifact of a warm start). The
     constructor takes what both know before any piece: the cache entry is fixed for its life.
     """
 
