@@ -222,13 +222,14 @@ def test_a_name_of_main_the_warm_process_lacks_refuses_the_artifact(tmp_path, mo
     torch.testing.assert_close(compiled(x), script.scaled(x))
     data = CacheEntry.open_existing(compiled.cache_dir).read_model()
     saved = artifact.loads(data)
-    assert ("__import___main__", "__main__") in saved.code.modules
-    assert dict(saved.code.reads)["__import___main__"] == ("SCALE", "SHIFT")
+    (variant,) = saved.variants
+    assert ("__import___main__", "__main__") in variant.code.modules
+    assert dict(variant.code.reads)["__import___main__"] == ("SCALE", "SHIFT")
     other = types.ModuleType("__main__")  # the warm process runs another script, without SHIFT
     other.SCALE = script.SCALE
     monkeypatch.setitem(sys.modules, "__main__", other)
     with pytest.raises(WarmStartUnavailable, match=r"reads __main__\.SHIFT, which is not defined here"):
-        artifact.loads(data)
+        artifact.check_binds(artifact.loads(data).variants[0])
     monkeypatch.setitem(sys.modules, "__main__", script)
     tessera.counters.reset()
     warm = tessera.compile(script.scaled, backend="eager")

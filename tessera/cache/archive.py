@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from tessera.cache import liveness, trust
-from tessera.cache.artifact import WARM_DIR
+from tessera.cache.artifact import WARM_DIR, WarmStartUnavailable, read_entries, write_pointer
 from tessera.cache.entry import atomic_write
 from tessera.cache.liveness import INUSE, WRITERS
 from tessera.cache.tools import find_entries, verify
@@ -44,11 +44,15 @@ def export(root: Path, archive: Path, prefixes: Sequence[str] = (), keys: Sequen
                     tar.add(path, arcname=path.relative_to(root).as_posix(), recursive=False)
         for pointer in sorted((root / WARM_DIR).glob("*.json")):
             try:
-                target = json.loads(pointer.read_text(encoding="utf-8"))["entry"]
-            except (OSError, ValueError, KeyError, TypeError):
+                data = json.loads(pointer.read_text(encoding="utf-8"))
+                listed = [e for e in data.get("entries", [data]) if e["entry"] in chosen]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
-            if target in chosen:
-                tar.add(pointer, arcname=pointer.relative_to(root).as_posix())
+            if listed:  # the traces of this model that the archive holds
+                body = json.dumps({"entries": listed}, indent=1).encode()
+                info = tarfile.TarInfo(pointer.relative_to(root).as_posix())
+                info.size, info.mtime, info.mode = len(body), int(pointer.stat().st_mtime), 0o644
+                tar.addfile(info, io.BytesIO(body))
     return len(entries)
 
 
@@ -82,9 +86,16 @@ def import_(root: Path, archive: Path) -> int:
                 if _move_in(entry, root / entry.relative_to(staging)):
                     imported += 1
             for pointer in sorted((staging / WARM_DIR).glob("*.json")):
-                destination = root / WARM_DIR / pointer.name
-                if not destination.exists():
-                    atomic_write(destination, pointer.read_bytes())
+                # Each trace added to the model's pointer here (one this root has is kept).
+                try:
+                    listed = read_entries(staging, pointer.stem)
+                except WarmStartUnavailable:  # a model's path (graph breaks): copied as it is
+                    destination = root / WARM_DIR / pointer.name
+                    if not destination.exists():
+                        atomic_write(destination, pointer.read_bytes())
+                    continue
+                for path, reason, key in listed:
+                    write_pointer(root, pointer.stem, root / path.relative_to(staging), reason, key)
     return imported
 
 
