@@ -18,7 +18,7 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -201,6 +201,25 @@ def size_oblivious() -> Iterator[None]:
     from torch.fx.experimental import _config as fx_config
 
     with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+        yield
+
+
+@contextlib.contextmanager
+def compile_guards_ignored(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """While a backend compiles Dynamo's graph: the shape decisions the compiler makes on the
+    hints (Inductor's lowering asks ``size != 1`` of a view) record no guard
+    (``ShapeEnv.suppress_guards``, torch 2.11-2.15). The call check holds what the trace itself
+    decided; a compile made in the background, after the guards were read, never added any, and an
+    up-front compile must not add what a background one would not (a size-1 call refused, then
+    traced again, for the compiler's hint-based ``s > 1``)."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(list(example_inputs))
+    shape_env = getattr(mode, "shape_env", None)
+    if shape_env is None:
+        yield
+        return
+    with shape_env.suppress_guards():
         yield
 
 

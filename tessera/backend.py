@@ -106,14 +106,17 @@ class GraphReceiver:
     prefix: str
     remote: RemoteTier | None = None
     serve_traced: bool = False
-    fingerprint: str | None = None  # the model's: its traces' entries are its own
     # The model's backends by graph (and call state): a trace whose graph is one of them shares
     # its pieces instead of splitting and compiling again (None: never shared).
     shared: dict[str, PiecewiseBackend] | None = None
     backend: PiecewiseBackend | None = None  # None until Dynamo has called
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        key = f"{graph_signature(gm)}:{_compat.call_state()!r}"
+        # The inputs' strides too: a compiled piece assumes the layouts it was compiled for.
+        strides = [
+            tuple(map(str, v.stride())) if isinstance(v, torch.Tensor) else None for v in example_inputs
+        ]
+        key = f"{graph_signature(gm)}:{strides}:{_compat.call_state()!r}"
         existing = self.shared.get(key) if self.shared is not None else None
         if existing is not None and existing.split_forward is not None:
             counters.bump("graphs_shared")
@@ -128,7 +131,6 @@ class GraphReceiver:
             self.prefix,
             remote=self.remote,
             serve_traced=self.serve_traced,
-            fingerprint=self.fingerprint,
         )
         self.backend = backend
         if self.shared is not None:
@@ -222,7 +224,6 @@ class PiecewiseBackend:
         *,
         remote: RemoteTier | None = None,
         serve_traced: bool = False,
-        fingerprint: str | None = None,
     ) -> PiecewiseBackend:
         """A complete backend from Dynamo's traced graph: split at the splitting ops, its cache
         entry made, every piece compiled or loaded (or, in the background, left for
@@ -256,10 +257,6 @@ class PiecewiseBackend:
             factors = collect_factors(
                 config, compiler.name, compiler.compute_hash(), sources, graph_signature(gm)
             )
-            if fingerprint is not None:
-                # One model's traces share an entry where their graphs are the same; another
-                # model's identical graph gets its own (its whole-model artifact differs).
-                factors["model"] = fingerprint
             entry = CacheEntry.create(cache_root, prefix, factors, split_dump, sources)
         backend = cls(
             config,

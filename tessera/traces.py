@@ -232,7 +232,6 @@ class Traces:
             context.prefix,
             context.remote,
             serve_traced=True,
-            fingerprint=context.fingerprint,
             shared=self._by_graph,
         )
         start = time.perf_counter()
@@ -494,6 +493,14 @@ class Traces:
             nearest, reason, mismatches = self._nearest(args, kwargs)
             if len(self.entries) >= self.config.max_traces:
                 raise self._refusal(nearest, reason, mismatches)
+            if nearest is not None and _layout_of_written_input(nearest, mismatches):
+                # A model that writes to its input, called with it in another layout: a copy
+                # would lose the write, and a trace for that layout is not made (its compiled
+                # kernels were seen to assume the first layout). Refused, saying what to pass.
+                raise call_check.InputMismatchError(
+                    f"{self.model.name}: {reason}; the model writes to this argument, so tessera "
+                    "cannot copy it into the traced layout: pass it in that layout (.contiguous())"
+                )
             return self.trace(args, kwargs, reason, mismatches)
 
     def route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -671,6 +678,14 @@ def _size_floors(
                 )
             )
     return tuple(out)
+
+
+def _layout_of_written_input(entry: TraceEntry, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
+    return (
+        bool(mismatches)
+        and entry.spec.writes_in_place
+        and all(call_check.layout_path(a) for a, _ in mismatches)
+    )
 
 
 def _fix_layouts(

@@ -202,7 +202,8 @@ def trace_once(
         symbolic.update(_compat.placeholder_dims(gm))
         writes.append(graph_writes_in_place(gm))
         not_at_one.update(size_one_symbols(gm))
-        return backend(gm, example_inputs)
+        with _compat.compile_guards_ignored(example_inputs):
+            return backend(gm, example_inputs)
 
     def drop_guards(entries: list[Any]) -> list[bool]:
         # Every guard is dropped; on_guards turns them into tessera's call check first.

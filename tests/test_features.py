@@ -136,8 +136,8 @@ def test_graph_partition_matches_eager_cold_and_warm():
     cold = tessera.compile(model, backend="inductor", graph_partition=True)
     run_toy(cold, model, sizes=(5, 1, 16, 33))
     assert len(cold.pieces) == 1 and cold.pieces[0].partitions is not None
-    # One graph, partitioned by Inductor; and one for size 1 (traced as a size of its own).
-    assert tessera.counters.snapshot()["inductor_compiles"] == 2
+    # One graph, partitioned by Inductor, serving size 1 too.
+    assert tessera.counters.snapshot()["inductor_compiles"] == 1
     tessera.counters.reset()
     warm = tessera.compile(model, backend="inductor", graph_partition=True)
     run_toy(warm, model, sizes=(7, 2, 64))

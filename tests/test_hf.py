@@ -265,49 +265,59 @@ def _generations(model: Any) -> list[torch.Tensor]:
 
 @pytest.mark.filterwarnings("error::FutureWarning")  # the cache passed under a deprecated name
 @pytest.mark.parametrize(
-    ("family", "backend", "cache"),
+    ("family", "backend", "cache", "how"),
     [
-        ("llama", "eager", None),
-        ("qwen2", "eager", None),
-        ("gpt2", "eager", None),
-        ("llama", "eager", "static"),
-        ("qwen2", "eager", "static"),
-        ("mistral", "eager", "static"),  # sliding-window layers
-        pytest.param("llama", "inductor", None, marks=pytest.mark.inductor),
+        ("llama", "eager", None, "preset"),
+        ("qwen2", "eager", None, "preset"),
+        ("gpt2", "eager", None, "preset"),
+        ("llama", "eager", "static", "preset"),
+        ("qwen2", "eager", "static", "preset"),
+        ("mistral", "eager", "static", "preset"),  # sliding-window layers
+        ("llama", "eager", None, "idiom"),  # model.forward = tessera.compile(model.forward)
+        ("qwen2", "eager", "static", "idiom"),
+        pytest.param("llama", "inductor", None, "preset", marks=pytest.mark.inductor),
     ],
 )
-def test_generate_under_compile_for_generate_matches_eager(family, backend, cache, monkeypatch):
+def test_generate_under_compile_for_generate_matches_eager(family, backend, cache, how, monkeypatch):
     model, _ = build(family)
     if cache is not None:
         model.generation_config.cache_implementation = cache
     expected = _generations(model)
-    forward = hf.compile_for_generate(model, backend=backend)
-    assert model.forward is forward
+    if how == "idiom":
+        compiled = tessera.compile(model.forward, backend=backend)
+        model.forward = compiled
+    else:
+        forward = hf.compile_for_generate(model, backend=backend)
+        assert model.forward is forward
+        (compiled,) = forward.models
     assert "attention_mask" in inspect.signature(model.forward).parameters  # generate() reads it
     got = _generations(model)
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"{family}, {cache or 'dynamic'} cache, generation {i}"
     # Compiled code served every step of the three generations (prefill and decode: 3 + 9 + 5 + 5
     # calls at least), each kind of call traced once, within the limit of traces.
-    (compiled,) = forward.models
     assert compiled_calls(compiled) >= 3 + 9 + 5 + 5
     assert len(compiled.traces) <= compiled.compile_config.max_traces
+    if how == "idiom":
+        return
     forward.restore()
     assert model.forward == forward.original
 
 
 @pytest.mark.parametrize(
-    ("cache", "backend"),
+    ("cache", "backend", "how"),
     [
-        ("dynamic", "eager"),
-        ("static", "eager"),
-        pytest.param("dynamic", "inductor", marks=pytest.mark.inductor),
+        ("dynamic", "eager", "preset"),
+        ("static", "eager", "preset"),
+        ("dynamic", "eager", "idiom"),  # model.forward = tessera.compile(model.forward)
+        ("static", "eager", "idiom"),
+        pytest.param("dynamic", "inductor", "preset", marks=pytest.mark.inductor),
     ],
 )
-def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cache, backend):
+def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cache, backend, how):
     def run(out: str) -> dict:
         return run_json(
-            "tests.run_generate", "llama", backend, cache, str(tmp_path / out), cache=tmp_path / "c"
+            "tests.run_generate", "llama", backend, cache, str(tmp_path / out), how, cache=tmp_path / "c"
         )
 
     cold, warm = run("cold.pt"), run("warm.pt")

@@ -189,6 +189,9 @@ def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
     return value
 
 
+MAX_VARIANTS = 32  # traces one entry's whole-model artifact keeps (the newest)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One trace of the entry's graph: Dynamo's bytecode and what the trace assumed of a call.
@@ -225,7 +228,8 @@ class ModelArtifact:
             return self
         keys = {v.key for v in self.variants}
         kept = tuple(v for v in other.variants if v.key not in keys)
-        return dataclasses.replace(self, variants=kept + self.variants)
+        # Models with one graph share the entry: each trace a variant, the newest kept.
+        return dataclasses.replace(self, variants=(kept + self.variants)[-MAX_VARIANTS:])
 
 
 def make(
