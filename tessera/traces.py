@@ -140,6 +140,7 @@ class Traces:
         self.warm_refused: str | None = None  # why a saved trace did not serve the first call
         self._said: set[str] = set()
         self._by_graph: dict[str, PiecewiseBackend] = {}  # the backends traced here, by graph
+        self._no_oblivious = False  # torch could not trace this model size-obliviously
 
     # -- making entries ---------------------------------------------------------------------
     def load_saved(self) -> None:
@@ -197,7 +198,9 @@ class Traces:
         choice = self.choose(values)
         if not self.entries:
             self.marked_dims = list(choice.dims)
-        oblivious = self.config.dynamic_shapes in ("backed", "backed_size_oblivious")
+        oblivious = (
+            self.config.dynamic_shapes in ("backed", "backed_size_oblivious") and not self._no_oblivious
+        )
         try:
             return self._trace_with(args, kwargs, values, choice, reason, oblivious)
         except _TracedAtOne as e:
@@ -212,6 +215,8 @@ class Traces:
                 raise
             # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
             # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
+            # The model's later traces go that way at once (each failed attempt costs a trace).
+            self._no_oblivious = True
             log.info("%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, e)
             return self._trace_with(args, kwargs, values, choice, reason, False)
 

@@ -25,7 +25,7 @@ def main() -> int:
     model = Branchy().eval().requires_grad_(False)
     compiled = tessera.compile(model, backend="inductor")
     with torch.inference_mode():
-        for x in (torch.randn(1, 8), torch.randn(3, 8), torch.randn(9, 8), torch.randn(6, 8).double()):
+        for x in (torch.randn(1, 8), torch.randn(3, 8), torch.randn(9, 8)):
             torch.testing.assert_close(compiled(x), model(x))
     compiled.wait_ready()
     counts = tessera.counters.snapshot()

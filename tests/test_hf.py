@@ -274,8 +274,7 @@ def _generations(model: Any) -> list[torch.Tensor]:
         ("qwen2", "eager", "static", "preset"),
         ("mistral", "eager", "static", "preset"),  # sliding-window layers
         ("llama", "eager", None, "idiom"),  # model.forward = tessera.compile(model.forward)
-        ("qwen2", "eager", "static", "idiom"),
-        pytest.param("llama", "inductor", None, "preset", marks=pytest.mark.inductor),
+        # Inductor: test_a_warm_process_generates_the_same_tokens_without_tracing, cold and warm.
     ],
 )
 def test_generate_under_compile_for_generate_matches_eager(family, backend, cache, how, monkeypatch):
@@ -307,10 +306,8 @@ def test_generate_under_compile_for_generate_matches_eager(family, backend, cach
 @pytest.mark.parametrize(
     ("cache", "backend", "how"),
     [
-        ("dynamic", "eager", "preset"),
         ("static", "eager", "preset"),
-        ("dynamic", "eager", "idiom"),  # model.forward = tessera.compile(model.forward)
-        ("static", "eager", "idiom"),
+        ("static", "eager", "idiom"),  # model.forward = tessera.compile(model.forward)
         pytest.param("dynamic", "inductor", "preset", marks=pytest.mark.inductor),
     ],
 )

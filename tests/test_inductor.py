@@ -49,4 +49,4 @@ def test_trace_once_inductor_general_artifact_serves_every_size():
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
     (record,) = compiled.pieces
-    assert dict(record.served) == {"general": 2}  # size 1 has a trace of its own
+    assert dict(record.served) == {"general": 3}  # size 1 too: the trace is size-oblivious

@@ -83,7 +83,7 @@ def test_a_model_that_treats_size_one_apart_gets_one_more_trace_for_it(fn):
 
 @pytest.mark.inductor
 def test_inductor_size_one_and_other_traces_cold_and_warm(tmp_path: Path):
-    """Inductor: a first call at size 1, then a size branch, then another dtype; the next process
+    """Inductor: a first call at size 1, then the other side of a size branch; the next process
     starts from the saved traces (nothing traced, nothing compiled) under inference_mode."""
     from tests.child import run_module
 
