@@ -151,6 +151,7 @@ class CompiledModel:
         self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
         self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
         self._traces: Traces | None = None  # every trace of the model (traces.py)
+        self._calls: dict[int, tuple[TraceEntry, Callable[..., Any]]] = {}  # each entry's call, built once
         # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
         self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
@@ -458,6 +459,10 @@ class CompiledModel:
         the check refuses goes to the traces (another entry, or a new trace)."""
         traces = self._traces
         assert traces is not None, "installed by the traces"
+        built = self._calls.get(id(entry))
+        if built is not None and built[0] is entry:  # built once per entry: a switch back is cheap
+            self._move(call=built[1], spec=entry.spec)
+            return
         checked = (
             call_check.make_checked_call(entry.spec, entry.fast, traces.slow, entry.bound)
             if self.compile_config.check_inputs
@@ -472,6 +477,7 @@ class CompiledModel:
                     return hooks.call_with_hooks(module, checked, args, kwargs)
                 return checked(*args, **kwargs)
 
+        self._calls[id(entry)] = (entry, call)
         self._move(call=call, spec=entry.spec)
 
     def _record_guarded(self, reason: str) -> None:
