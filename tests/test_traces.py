@@ -50,12 +50,11 @@ def test_max_traces_1_refuses_every_call_the_first_trace_does_not_cover(tmp_path
 
 def test_the_refusal_past_the_limit_names_every_trace_and_why():
     compiled = tessera.compile(lambda x, s: x * s, backend="eager", disable_cache=True, max_traces=2)
-    x = torch.randn(3)
-    with torch.no_grad():
-        compiled(x, 2.0)
-        compiled(x, 3.0)
-        with pytest.raises(tessera.InputMismatchError) as raised:
-            compiled(x, 4.0)
+    x = torch.randn(3)  # grad enabled, as PyTorch starts: nothing here requires grad
+    compiled(x, 2.0)
+    compiled(x, 3.0)
+    with pytest.raises(tessera.InputMismatchError) as raised:
+        compiled(x, 4.0)
     message = str(raised.value)
     assert "2 trace(s), the limit (trace 1: the first call; trace 2: s: value" in message
     assert "raise max_traces (now 2)" in message
@@ -73,10 +72,9 @@ def branches_on_query_length(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fn", [squeezes, branches_on_query_length])
 def test_a_model_that_treats_size_one_apart_gets_one_more_trace_for_it(fn):
     compiled = tessera.compile(fn, backend="eager", disable_cache=True, dynamic_dims={"x": (0, 1)})
-    with torch.no_grad():
-        for shape in ((3, 4), (5, 2), (1, 4), (2, 1), (1, 1), (6, 6)):
-            x = torch.randn(*shape)
-            torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {shape}")
+    for shape in ((3, 4), (5, 2), (1, 4), (2, 1), (1, 1), (6, 6)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(compiled(x), fn(x), msg=f"{fn.__name__} at {shape}")
     assert len(compiled.traces) <= 3  # the general one, and one per dim that is 1 where it matters
     assert len(compiled.traces) >= 2
 
