@@ -44,6 +44,8 @@ from tessera.report import (
     counter_delta,
     merge_graph_reports,
     save_report,
+    sizes_served,
+    timeline,
 )
 from tessera.traces import Model, TraceContext, TraceEntry, Traces
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
@@ -240,12 +242,16 @@ class CompiledModel:
         return self.wait_ready(0)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until every size of every trace is in place, at most ``timeout`` seconds; whether it
-        is. A server gates its readiness on it; calls are served (by the general artifacts) meanwhile."""
+        """Wait until every size of every trace is in place (and a size being learnt from traffic
+        is compiled), at most ``timeout`` seconds; whether it is. A server gates its readiness on
+        it; calls are served (by the general artifacts) meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for backend in self._backends():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not backend.ready.wait(left):
+                return False
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not backend.idle.wait(left):  # a size learnt from traffic, compiling
                 return False
         return self.first_call_seconds is not None
 
@@ -274,7 +280,14 @@ class CompiledModel:
         )
         if self._traces is None:
             return report
-        return dataclasses.replace(report, traces=self._traces.reports())
+        backends = list({id(b): b for b in self._traces.backends()}.values())
+        return dataclasses.replace(
+            report,
+            traces=self._traces.reports(),
+            timeline=timeline(self._traces.spans(), backends),
+            sizes_served=sizes_served(backends),
+            learnt_sizes=tuple(s for b in backends for s in b.learnt_sizes),
+        )
 
     @property
     def runners(self) -> dict[str, Any]:

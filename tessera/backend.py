@@ -62,7 +62,15 @@ from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_avai
 from tessera.debug.dumps import Dumps
 from tessera.errors import CompilerError, FallbackWarning, TesseraWarning
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
-from tessera.piece import PieceRecord, PieceRunner, dynamic_inputs, find_size_source, specialize_inputs
+from tessera.learn import SizeLearner, SizeTally
+from tessera.piece import (
+    PieceRecord,
+    PieceRunner,
+    dynamic_inputs,
+    find_size_source,
+    free_symbols,
+    specialize_inputs,
+)
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
 from tessera.split import (
@@ -190,7 +198,8 @@ class PiecewiseBackend:
         self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
         # seconds per phase (split, compile, load_kernels, ...)
         self.phases: dict[str, float] = dict(phases) if phases is not None else {}
-        self.outcomes: list[tuple[str, Size, CompileOutcome]] = []  # (piece, size, how obtained)
+        # (piece, size, how obtained, when: wall-clock seconds), in the order obtained
+        self.outcomes: list[tuple[str, Size, CompileOutcome, float]] = []
         self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
         # Serve first, specialise after: (piece, fake and real inputs, sizes, content) left for
         # the background thread, and whether every size is in place (set when nothing is left).
@@ -210,6 +219,20 @@ class PiecewiseBackend:
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
+        # Sizes learnt from traffic (learn.py): what a learnt size compiles from (trace path only:
+        # each sized piece, its fake and real inputs and content), the counter of the sizes
+        # served, and what records the learnt sizes for the next process (set by the model).
+        self._sized: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = []
+        self.tally: SizeTally | None = None
+        self.learnt_sink: Callable[[PiecewiseBackend], None] | None = None
+        self.idle = threading.Event()  # clear while a learnt size compiles
+        self.idle.set()
+        if config.auto_sizes and config.cudagraph_capture_sizes is None:
+            # The learnt sizes are the capture sizes (with the listed ones): a call pads to the
+            # next of them, and runs without a graph above the largest.
+            self.capture_sizes = tuple(
+                s for s in config.sizes if config.max_size is None or s <= config.max_size
+            )
 
     # -- trace path ----------------------------------------------------------------------------
     @classmethod
@@ -337,6 +360,7 @@ class PiecewiseBackend:
             progress.close()
         if not self._later:
             self.ready.set()
+        self._start_tally()
         self.phases["compile"] = time.perf_counter() - built
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
         # forward, not __call__: skips nn.Module call machinery on every step.
@@ -371,6 +395,8 @@ class PiecewiseBackend:
                 # kernels as eager, until its general artifact (compiled first) is swapped in.
                 now = ()
         later = sizes[len(now) :]
+        if source is not None:
+            self._sized.append((item, fake_args, real_args, content))
         if later:
             self._later.append((item, fake_args, real_args, later, content))
         artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
@@ -387,7 +413,7 @@ class PiecewiseBackend:
             progress.advance()
             self._record_stage(item, size, outcome)
             artifacts[size] = outcome.fn
-            self.outcomes.append((item.name, size, outcome))
+            self.outcomes.append((item.name, size, outcome, time.time()))
             seconds.append((size_label(size), outcome.seconds))
             timings.append((size_label(size), outcome.seconds, outcome.source))
         if timings:  # nothing obtained now: the piece serves as traced
@@ -541,10 +567,123 @@ class PiecewiseBackend:
             compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
             partitions=_partitions(self.compiler, outcome.fn) if size is None else record.partitions,
         )
-        self.outcomes.append((item.name, size, outcome))
+        self.outcomes.append((item.name, size, outcome, time.time()))
         self._record_stage(item, size, outcome)
         if progress is not None:
             progress.advance()
+
+    # -- sizes learnt from traffic ----------------------------------------------------------------
+    def _start_tally(self, learnt: Sequence[int] = ()) -> None:
+        """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
+        the hot ones (``learnt``: those an earlier process learnt, loaded)."""
+        runner = next(
+            (self.runners[n] for n, splitting in self.order if n in self.runners and self.runners[n].source),
+            None,
+        )
+        if runner is None:
+            return
+        learner = None
+        if self.config.auto_sizes:
+            learner = SizeLearner(
+                self.config.auto_sizes,
+                self.config.auto_sizes_share,
+                self.config.sizes,
+                learnt,
+                self._learn,
+                self._retire,
+                self._may_learn,
+            )
+            if not self._one_size():
+                log.info(
+                    "%s: sizes are learnt by a process that traces this model with one dynamic size; "
+                    "this one serves the %d learnt size(s) it loaded",
+                    self.prefix,
+                    len(learner.learnt),
+                )
+        self.tally = SizeTally(learner)
+        runner.tally = self.tally
+
+    def _one_size(self) -> bool:
+        """Whether static sizes can be compiled here: this process traced the pieces, and they
+        share one dynamic size."""
+        symbols = {frozenset(map(str, free_symbols(fake))) for _, fake, _, _ in self._sized}
+        return len(symbols) == 1 and len(next(iter(symbols))) == 1
+
+    @property
+    def learnt_sizes(self) -> tuple[int, ...]:
+        """The sizes learnt from traffic that serve now, in the order learnt."""
+        learner = self.tally.learner if self.tally is not None else None
+        return learner.learnt if learner is not None else ()
+
+    def _may_learn(self) -> bool:
+        return self.ready.is_set() and self.idle.is_set() and self._one_size()
+
+    def _learn(self, size: int) -> None:
+        """Compile every sized piece at ``size`` in a thread of its own and swap each in (as a
+        background compile does), then record the learnt sizes for the next process."""
+        self.idle.clear()
+        _compat.isolate_fx_tracing_flag()  # see start_background
+        context = contextvars.copy_context()  # see start_background
+        thread = threading.Thread(
+            target=context.run,
+            args=(self._compile_learnt, size),
+            name=f"tessera-learn-{self.prefix}",
+            daemon=False,
+        )
+        thread.start()
+        _compat.join_before_pools_shut(thread)
+
+    def _compile_learnt(self, size: int) -> None:
+        start = time.perf_counter()
+        try:
+            with self.state.applied():
+                for item, fake_args, real_args, content in self._sized:
+                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+                    key = self.artifact_cache.content_key(content, size)
+                    with COMPILE_LOCK:
+                        outcome = self.artifact_cache.get(item.graph, inputs, size, item.index, key)
+                    self._add_later(item, size, outcome)
+            with COMPILE_LOCK:
+                self.artifact_cache.flush()
+            for piece in self.graph_pieces:  # captured from the next call of a size it pads
+                piece.add_capture_size(size)
+            if self.graph_pieces:
+                self.capture_sizes = tuple(sorted({*self.capture_sizes, size}))
+            counters.bump("sizes_learnt")
+            self.phases["learn_sizes"] = self.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
+            log.info("%s: size %d learnt in %.2fs", self.prefix, size, time.perf_counter() - start)
+            if self.learnt_sink is not None:
+                self.learnt_sink(self)
+        except Exception as e:  # what serves keeps serving; the size is not tried again
+            assert self.tally is not None and self.tally.learner is not None
+            self.tally.learner.refuse(size)
+            log.warning(
+                "%s: compiling learnt size %d failed (%s: %s); the general artifact keeps serving it",
+                self.prefix,
+                size,
+                type(e).__name__,
+                e,
+            )
+        finally:
+            self.idle.set()
+
+    def _retire(self, size: int) -> None:
+        """A learnt size no longer hot: its artifact out of every piece (calls of that size go
+        to the general artifact, or a range), and out of the record for the next process."""
+        for runner in list(self.runners.values()):
+            runner.drop(size)
+        for piece in self.graph_pieces:
+            piece.remove_capture_size(size)
+        if self.graph_pieces:
+            self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
+        counters.bump("sizes_retired")
+        if self.learnt_sink is not None:
+            try:
+                self.learnt_sink(self)
+            except Exception as e:  # the record is a hint for the next process: never a failure here
+                log.warning(
+                    "%s: the learnt sizes were not recorded (%s: %s)", self.prefix, type(e).__name__, e
+                )
 
     # -- compile workers ------------------------------------------------------------------------
     def _compile_pool(self, sized: bool) -> CompilePool | None:
@@ -671,8 +810,8 @@ class PiecewiseBackend:
         """The compile sizes this trace serves: every size for an unbacked or size-oblivious
         trace; sizes >= 2 for a trace Dynamo specialised at 0 and 1 (those have traces of their own)."""
         if self.config.dynamic_shapes == "unbacked" or self.state.size_oblivious:
-            return tuple(self.config.compile_sizes)
-        return tuple(s for s in self.config.compile_sizes if s >= 2)
+            return self.config.sizes
+        return tuple(s for s in self.config.sizes if s >= 2)
 
     # -- warm path -----------------------------------------------------------------------------
     @classmethod
@@ -685,10 +824,12 @@ class PiecewiseBackend:
         entry_path: Path,
         traced_fn: types.FunctionType,
         keys: Sequence[str],
+        learnt: Sequence[int] = (),
     ) -> tuple[PiecewiseBackend, dict[str, tuple[Callable[..., Any], CallSpec]]]:
         """A complete backend rebuilt from the whole-model artifact in ``entry_path``, and for
         each of the traces ``keys`` names that it holds and that binds here, the traced frame's
-        callable and what the trace assumed of a call.
+        callable and what the trace assumed of a call. ``learnt``: the sizes an earlier process
+        learnt from traffic, loaded where the entry holds them.
 
         Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
         compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
@@ -718,7 +859,7 @@ class PiecewiseBackend:
         )
         backend.artifact_status = "loaded"
         try:
-            forward = backend._rebuild(saved)
+            forward = backend._rebuild(saved, learnt)
             calls = {}
             for variant in variants:
                 calls[variant.key] = (rebuild_call(variant.code, traced_fn, forward), variant.call_spec)
@@ -734,14 +875,16 @@ class PiecewiseBackend:
         backend.ready.set()  # every size was in the artifact
         return backend, calls
 
-    def _rebuild(self, saved: ModelArtifact) -> Callable[..., Any]:
-        """Runners, splitting pieces and the split module's forward from a whole-model artifact."""
+    def _rebuild(self, saved: ModelArtifact, learnt: Sequence[int] = ()) -> Callable[..., Any]:
+        """Runners, splitting pieces and the split module's forward from a whole-model artifact
+        (and the ``learnt`` sizes it holds artifacts for)."""
         start = time.perf_counter()
         graphs = {content: blob for content, blob in saved.graphs}
         graph_of = dict(saved.piece_graphs)
         unpickled: dict[str, torch.fx.GraphModule] = {}
         needs_graph = not loads_without_graph(self.compiler)
         attributes: dict[str, Any] = {}
+        loaded_learnt: set[int] = set()
         for record in saved.pieces:
             graph = None
             if needs_graph:
@@ -757,7 +900,17 @@ class PiecewiseBackend:
                 if isinstance(outcome, str):
                     raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
                 artifacts[size] = outcome.fn
-                self.outcomes.append((record.name, size, outcome))
+                self.outcomes.append((record.name, size, outcome, time.time()))
+            for size in learnt if record.size_source is not None else ():
+                if size in artifacts or (self.config.max_size is not None and size > self.config.max_size):
+                    continue
+                found = self.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+                if isinstance(found, str):  # not in this entry (yet): the general artifact serves it
+                    log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
+                    continue
+                artifacts[size] = found.fn
+                self.outcomes.append((record.name, size, found, time.time()))
+                loaded_learnt.add(size)
             attributes[record.name] = self._install_runner(
                 record, PieceRunner(record.name, artifacts, record.size_source, self.config.max_size)
             )
@@ -774,6 +927,16 @@ class PiecewiseBackend:
         splitting = {name for name, _ in saved.modules}
         self.order = [(n, n in splitting) for n in names]
         self.split_forward = forward
+        if (
+            self.graph_backend is not None
+            and self.config.auto_sizes
+            and self.config.cudagraph_capture_sizes is None
+        ):
+            for piece in self.graph_pieces:
+                for size in loaded_learnt:
+                    piece.add_capture_size(size)
+            self.capture_sizes = tuple(sorted({*self.capture_sizes, *loaded_learnt}))
+        self._start_tally(sorted(loaded_learnt, key=list(learnt).index))
         return forward
 
     # -- the whole-model artifact --------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
+from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE
 
 if TYPE_CHECKING:
     from tessera.cache.key import KeyRecord
@@ -82,7 +83,9 @@ class CompileConfig:
         )
     )
     splitting_ops: Sequence[SplittingOp] | None = None
-    compile_sizes: Sequence[int] = field(default_factory=lambda: v.env_ints("COMPILE_SIZES") or ())
+    # Static sizes to compile: a list, "auto" (learnt from traffic, see auto_sizes), or a list
+    # holding "auto" (those sizes, and others learnt). Normalised to the listed integers.
+    compile_sizes: Sequence[int | str] | str = field(default_factory=lambda: v.env_sizes("COMPILE_SIZES"))
     compile_ranges: Sequence[int] = field(default_factory=lambda: v.env_ints("COMPILE_RANGES") or ())
     max_size: int | None = field(
         default_factory=lambda: v.env_value("MAX_SIZE", None, int, check=v.check_max_size)
@@ -105,6 +108,14 @@ class CompileConfig:
     # made. 1: trace once and refuse any call unlike the first (never a re-trace). Dynamo's
     # recompile limit is 8.
     max_traces: int = field(default_factory=lambda: v.env_value("MAX_TRACES", 8, int, v.check_max_traces))
+    # Sizes learnt from traffic (learn.py): a size that holds auto_sizes_share of recent calls is
+    # compiled statically in the background and swapped in, at most auto_sizes of them per trace
+    # (the coldest retired for a hotter one), and the next process loads them at once. 0: none;
+    # compile_sizes="auto" sets it to 8 when it is 0.
+    auto_sizes: int = field(default_factory=lambda: v.env_value("AUTO_SIZES", 0, int, v.check_auto_sizes))
+    auto_sizes_share: float = field(
+        default_factory=lambda: v.env_value("AUTO_SIZES_SHARE", DEFAULT_SHARE, float, v.check_share)
+    )
     dynamic_shapes: str = field(
         default_factory=lambda: v.env_value(
             "DYNAMIC_SHAPES", "backed", check=lambda m: v.check_choice("dynamic_shapes", m, DYNAMIC_SHAPES)
@@ -149,9 +160,13 @@ class CompileConfig:
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
         v.check_workers(self.compile_workers)
         v.check_max_traces(self.max_traces)
+        v.check_auto_sizes(self.auto_sizes)
+        v.check_share(self.auto_sizes_share)
+        listed, auto = v.split_auto(self.compile_sizes)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
-            "compile_sizes": v.check_sizes("compile_sizes", self.compile_sizes, self.max_size, 1),
+            "compile_sizes": v.check_sizes("compile_sizes", listed, self.max_size, 1),
+            "auto_sizes": DEFAULT_LIMIT if auto and not self.auto_sizes else self.auto_sizes,
             "compile_ranges": v.check_sizes("compile_ranges", self.compile_ranges, self.max_size, 1),
             "cudagraph_capture_sizes": None
             if self.cudagraph_capture_sizes is None
@@ -187,6 +202,11 @@ class CompileConfig:
                 "attention included, like cudagraph_mode='full'; use graph_partition=False for "
                 "piecewise CUDA graphs, or cudagraph_mode='full' or 'none'"
             )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The listed compile sizes (``"auto"`` is ``auto_sizes``)."""
+        return tuple(int(s) for s in self.compile_sizes)
 
     @property
     def ranges(self) -> tuple[SizeRange, ...]:

@@ -22,6 +22,8 @@ NAMES = (
     "artifacts_saved",
     "artifacts_loaded",
     "cudagraphs_captured",
+    "sizes_learnt",  # static sizes compiled because the traffic had them (compile_sizes="auto")
+    "sizes_retired",  # learnt sizes taken out for hotter ones
     # Fallbacks (report.Fallback): a piece artifact the index vouched for but that could not serve
     # (damaged, untrusted) was obtained again; a whole-model artifact was found but not used.
     "artifact_fallbacks",

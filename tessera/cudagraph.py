@@ -113,6 +113,15 @@ class CUDAGraphPiece:
         self.debug = debug
         self.states: dict[int, _Captured] = {}
 
+    def add_capture_size(self, size: int) -> None:
+        """A size learnt from traffic: captured at its next call (calls pad up to it)."""
+        self.capture_sizes = tuple(sorted({*self.capture_sizes, size}))
+
+    def remove_capture_size(self, size: int) -> None:
+        """A learnt size retired: its graph let go (calls pad to the next capture size)."""
+        self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
+        self.states.pop(size, None)
+
     def __call__(self, *args: Any) -> Any:
         size = self.source.read(args)
         padded = padded_size(size, self.capture_sizes)

@@ -16,6 +16,7 @@ import torch
 from tessera._compat import is_constant_symint, sym_expr
 from tessera.config import TRACED_LABEL, Size, SizeRange, size_label
 from tessera.errors import ConfigError, SizeNotCompiledError
+from tessera.learn import SizeTally
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class PieceRunner:
         )
         self._exact: dict[int, _Artifact] = {s: a for s, a in self._artifacts.items() if isinstance(s, int)}
         self._memo: dict[int, _Artifact] = dict(self._exact)
+        self.tally: SizeTally | None = None  # the model's size counter, on its first sized piece
         if size_source is None and self._general is None:
             raise ConfigError(f"piece {name} has no dynamic size, so it needs a general artifact")
 
@@ -144,6 +146,8 @@ class PieceRunner:
             artifact = self._memo.get(size)
             if artifact is None:
                 artifact = self._lookup(size)
+            if self.tally is not None:
+                self.tally.seen(size, artifact.label)
         assert artifact is not None, f"{self.name}: no artifact chosen"
         artifact.served += 1
         return artifact.fn(*args)
@@ -167,14 +171,36 @@ class PieceRunner:
         self._artifacts = artifacts
         self._memo = dict(self._exact)  # sizes memoised on the general artifact look again
 
+    def drop(self, size: int) -> None:
+        """Take a static size's artifact out (a learnt size retired); its calls go to a range or
+        the general artifact. Replaced whole, as in ``add``."""
+        if size not in self._exact:
+            return
+        self._retired = (*self._retired, self._artifacts[size])
+        self._artifacts = {s: a for s, a in self._artifacts.items() if s != size}
+        self._exact = {s: a for s, a in self._exact.items() if s != size}
+        self._memo = dict(self._exact)
+
+    @property
+    def source(self) -> SizeSource | None:
+        """Where the runtime size is read (None: the piece has no size)."""
+        return self._source
+
+    def sizes(self) -> tuple[int, ...]:
+        """The static sizes this piece has an artifact for."""
+        return tuple(sorted(self._exact))
+
     def _lookup(self, size: int) -> _Artifact:
         if size < 0 or (self.max_size is not None and size > self.max_size):
             raise SizeNotCompiledError(self._uncovered_message(size))
-        artifact = next((a for r, a in self._ranges if size in r), self._general)
+        # The memo read before the choice: if ``add`` replaces it meanwhile, this choice lands in
+        # the old one (``add`` replaces the exact sizes first, the memo after).
+        memo = self._memo
+        artifact = self._exact.get(size) or next((a for r, a in self._ranges if size in r), self._general)
         if artifact is None:
             raise SizeNotCompiledError(self._uncovered_message(size))
-        if len(self._memo) < _MEMO_LIMIT:
-            self._memo[size] = artifact
+        if len(memo) < _MEMO_LIMIT:
+            memo[size] = artifact
         return artifact
 
     def _uncovered_message(self, size: int) -> str:

@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,18 @@ class TraceReport:
 
 
 @dataclass(frozen=True)
+class Span:
+    """One step of a model's compile on the process's time axis: a trace, or one artifact of
+    one piece obtained (compiled, loaded or shared)."""
+
+    what: str  # "trace 1", "general", "size 16", "range [9,32]"
+    piece: str  # "" for a trace
+    source: str  # "traced", "compiled", "loaded", "shared"
+    start: float  # seconds from the process's start
+    end: float
+
+
+@dataclass(frozen=True)
 class CompileReport:
     """Cold or warm, seconds per phase, every artifact, this model's counters, the cache entry."""
 
@@ -89,6 +104,11 @@ class CompileReport:
     all_sizes_ready_seconds: float | None = None  # from the first call's start; None until ready
     fallbacks: tuple[Fallback, ...] = ()  # piece artifacts the cache held but could not serve
     traces: tuple[TraceReport, ...] = ()  # every trace the model holds, and why each was made
+    # The compile on one time axis (seconds from the process's start), in the order obtained.
+    timeline: tuple[Span, ...] = ()
+    # Every call's size and the artifact that served it: (size, artifact label, calls).
+    sizes_served: tuple[tuple[int, str, int], ...] = ()
+    learnt_sizes: tuple[int, ...] = ()  # sizes learnt from traffic (compile_sizes="auto") serving now
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -156,7 +176,7 @@ def build_report(
         # Copies first: a background compile may be adding to them.
         fallbacks = tuple(backend.fallbacks)
         phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
-        for piece, size, outcome in list(backend.outcomes):
+        for piece, size, outcome, _ in list(backend.outcomes):
             runner = backend.runners.get(piece)
             served = dict(runner.served()) if runner is not None else {}
             record = outcome.record
@@ -200,6 +220,48 @@ def build_report(
         all_sizes_ready_seconds=_all_ready(backend, total_seconds),
         fallbacks=fallbacks,
     )
+
+
+@functools.cache
+def process_start() -> float:
+    """When this process started (wall-clock seconds): from ``/proc`` on Linux, else when tessera
+    was imported."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+def timeline(traces: Iterable[tuple[str, float, float]], backends: Iterable[Any]) -> tuple[Span, ...]:
+    """The spans of ``traces`` (name, wall-clock start, seconds) and of every artifact the
+    ``backends`` obtained, on one axis from the process's start, ordered by start."""
+    zero = process_start()
+    spans = [
+        Span(name, "", "traced", start - zero, start - zero + seconds) for name, start, seconds in traces
+    ]
+    for backend in backends:
+        for piece, size, outcome, at in list(backend.outcomes):
+            spans.append(
+                Span(size_label(size), piece, outcome.source, at - zero - outcome.seconds, at - zero)
+            )
+    return tuple(sorted(spans, key=lambda s: (s.start, s.end)))
+
+
+def sizes_served(backends: Iterable[Any]) -> tuple[tuple[int, str, int], ...]:
+    """(size, artifact label, calls) over the ``backends``' counts, by size."""
+    counts: dict[tuple[int, str], int] = {}
+    for backend in backends:
+        if backend.tally is not None:
+            for size, label, n in backend.tally.histogram():
+                counts[(size, label)] = counts.get((size, label), 0) + n
+    return tuple(sorted((size, label, n) for (size, label), n in counts.items()))
 
 
 def _all_ready(backend: Any, first_output: float) -> float | None:

@@ -92,6 +92,8 @@ class TraceEntry:
     loaded: bool  # from the whole-model artifact (no trace in this process)
     code: types.CodeType | None = None  # Dynamo's transformed code (None when loaded)
     mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
+    started: float = 0.0  # when its trace started (wall-clock seconds; 0.0 when loaded)
+    seconds: float = 0.0  # what the trace took, its compiles left out
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,7 @@ class Traces:
             serve_traced=True,
             shared=self._by_graph,
         )
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         versions = _versions(args, kwargs)
         nested = [t for t, _ in self._nested_tensors(args, kwargs)]
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)] + nested
@@ -279,12 +281,15 @@ class Traces:
         mutated = _changed(versions, args, kwargs)
         backend = receiver.received()
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
-        self.trace_seconds += time.perf_counter() - start - inside
+        seconds = time.perf_counter() - start - inside
+        self.trace_seconds += seconds
         spec: call_check.CallSpec = trace.guards
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
         fast = functools.partial(trace.call, model.target)
-        entry = self._add(spec, fast, backend, reason, loaded=False, code=trace.code, mutated=mutated)
+        entry = self._add(
+            spec, fast, backend, reason, loaded=False, code=trace.code, mutated=mutated, timed=(wall, seconds)
+        )
         self._serving(entry)
         if len(self.entries) > 1:
             self._say(
@@ -326,8 +331,14 @@ class Traces:
         loaded: bool,
         code: types.CodeType | None = None,
         mutated: frozenset[tuple[str, str]] = frozenset(),
+        timed: tuple[float, float] = (0.0, 0.0),
     ) -> TraceEntry:
         bound = spec.bind(self.model.target, _compat.guard_globals(self.model.traced_fn.__globals__))
+        context = self.context
+        if context.root is not None and context.fingerprint is not None and backend.learnt_sink is None:
+            backend.learnt_sink = functools.partial(
+                warm.save_sizes, context.root, context.fingerprint, context.remote
+            )
         entry = TraceEntry(
             number=len(self.entries) + 1,
             reason=reason,
@@ -340,6 +351,8 @@ class Traces:
             loaded=loaded,
             code=code,
             mutated=mutated,
+            started=timed[0],
+            seconds=timed[1],
         )
         self.entries = (*self.entries, entry)
         return entry
@@ -607,6 +620,10 @@ class Traces:
     # -- what the face reports ------------------------------------------------------------------
     def backends(self) -> list[PiecewiseBackend]:
         return [e.backend for e in self.entries]
+
+    def spans(self) -> list[tuple[str, float, float]]:
+        """Each trace made in this process: (name, wall-clock start, seconds)."""
+        return [(f"trace {e.number}", e.started, e.seconds) for e in self.entries if not e.loaded]
 
     def reports(self) -> tuple[TraceReport, ...]:
         return tuple(

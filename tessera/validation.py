@@ -51,6 +51,49 @@ def env_ints(name: str) -> tuple[int, ...] | None:
         ) from e
 
 
+def env_sizes(name: str) -> tuple[int | str, ...]:
+    """``TESSERA_<name>``: comma-separated sizes, each an integer or ``auto``."""
+    value = env(name)
+    if value is None:
+        return ()
+    parts = [part for part in value.replace(" ", "").split(",") if part]
+    try:
+        return tuple(part if part == AUTO else int(part) for part in parts)
+    except ValueError as e:
+        raise ConfigError(
+            f"TESSERA_{name}={value!r}: expected comma-separated integers such as 1,8,16, or auto, "
+            "or both (1,auto)"
+        ) from e
+
+
+AUTO = "auto"
+
+
+def split_auto(sizes: Any) -> tuple[Any, bool]:
+    """``compile_sizes`` as given: the listed sizes, and whether ``"auto"`` was among them."""
+    if sizes == AUTO:
+        return (), True
+    if isinstance(sizes, Sequence) and not isinstance(sizes, (str, bytes)) and AUTO in sizes:
+        return tuple(s for s in sizes if s != AUTO), True
+    return sizes, False
+
+
+def check_auto_sizes(value: Any) -> None:
+    if not is_int(value) or value < 0 or value > 64:
+        raise ConfigError(
+            f"auto_sizes={value!r} must be an integer from 0 (learn no size) to 64: each size "
+            "learnt costs one static compile of every piece"
+        )
+
+
+def check_share(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(
+            f"auto_sizes_share={value!r} must be a fraction in (0, 1]: the share of recent calls a "
+            "size needs before it is compiled statically (0.05 by default)"
+        )
+
+
 def env_value(
     name: str, default: Any, convert: Callable[[str], Any] = str, check: Callable[[Any], Any] | None = None
 ) -> Any:

@@ -19,6 +19,7 @@ from tessera import counters
 from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact
 from tessera.cache.artifact import WarmStartUnavailable
+from tessera.cache.entry import warn_write_failed
 from tessera.cache.remote import RemoteTier, publish
 from tessera.call_check import CallSpec
 from tessera.config import CompileConfig
@@ -54,6 +55,7 @@ def load(
     except WarmStartUnavailable as e:
         counters.bump("warm_start_fallbacks")
         return [], str(e)
+    learnt = model_artifact.read_learnt(root, fingerprint)
     saved: list[SavedTrace] = []
     refused = None if listed else "no whole-model artifact for this model yet"
     # Traces of one graph share an entry (and its pieces): each entry is rebuilt once.
@@ -63,7 +65,14 @@ def load(
     for entry_path, traces in by_entry.items():
         try:
             backend, calls = PiecewiseBackend.from_entry(
-                config, compiler, root, prefix, entry_path, traced_fn, [key for key, _ in traces]
+                config,
+                compiler,
+                root,
+                prefix,
+                entry_path,
+                traced_fn,
+                [key for key, _ in traces],
+                learnt.get(entry_path, ()),
             )
         except WarmStartUnavailable as e:
             counters.bump("warm_start_fallbacks")
@@ -92,3 +101,18 @@ def save(
         return
     if remote is not None and backend.entry is not None:
         publish(remote, root, fingerprint, backend.entry)
+
+
+def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend: PiecewiseBackend) -> None:
+    """After a size is learnt or retired: the learnt sizes beside the fingerprint's traces (and,
+    with a remote tier, the entry's new artifacts and the pointer), for the next process."""
+    entry = backend.entry
+    if entry is None:
+        return
+    try:
+        model_artifact.write_learnt(root, fingerprint, entry.path, backend.learnt_sizes)
+    except OSError as e:  # the sizes serve here; the next process learns them again
+        warn_write_failed(entry.path, e)
+        return
+    if remote is not None:
+        publish(remote, root, fingerprint, entry, grown=True)

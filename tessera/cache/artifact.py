@@ -326,8 +326,61 @@ def write_pointer(
         except (WarmStartUnavailable, OtherPath):
             entries = []
         entries.append({"entry": relative, "reason": reason, "model": model_sha})
-        body = {"entries": entries[-MAX_POINTER_ENTRIES:]}
+        body: dict[str, Any] = {"entries": entries[-MAX_POINTER_ENTRIES:]}
+        learnt = _learnt_of(_read_body(path))
+        if learnt:
+            body["learnt"] = learnt
         atomic_write(path, json.dumps(body, indent=1).encode())
+
+
+def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence[int]) -> None:
+    """Record the sizes learnt from traffic (compile_sizes="auto") for the trace in
+    ``entry_path``, beside the traces the fingerprint leads to: the next process loads their
+    artifacts at once. The last process to learn sets them (a fleet shares one record)."""
+    from filelock import FileLock
+
+    path = pointer_path(root, fingerprint)
+    relative = entry_path.relative_to(root).as_posix()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        body = _read_body(path)
+        if body.get("path") in PATHS:
+            return  # a model on the guarded path keeps no whole-model artifact to load them with
+        learnt = _learnt_of(body)
+        learnt[relative] = [int(s) for s in sizes]
+        new = {"entries": body.get("entries", []), "learnt": learnt}
+        atomic_write(path, json.dumps(new, indent=1).encode())
+
+
+def read_learnt(root: Path, fingerprint: str) -> dict[Path, tuple[int, ...]]:
+    """The sizes learnt for each trace's entry of ``fingerprint`` (empty when none were)."""
+    out = {}
+    for relative, sizes in _learnt_of(_read_body(pointer_path(root, fingerprint))).items():
+        if not (Path(relative).is_absolute() or ".." in Path(relative).parts):
+            out[root / relative] = tuple(sizes)
+    return out
+
+
+def _read_body(path: Path) -> dict[str, Any]:
+    """A pointer file as JSON; {} when it is missing or unreadable (``_read_entries`` reports
+    damage where it matters)."""
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _learnt_of(body: dict[str, Any]) -> dict[str, list[int]]:
+    """The well-formed part of a pointer's learnt sizes: entry -> sizes (positive integers)."""
+    learnt = body.get("learnt")
+    if not isinstance(learnt, dict):
+        return {}
+    return {
+        str(entry): [s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s >= 1]
+        for entry, sizes in learnt.items()
+        if isinstance(sizes, list)
+    }
 
 
 class NoArtifactYet(WarmStartUnavailable):

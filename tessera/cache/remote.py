@@ -23,7 +23,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -237,11 +237,17 @@ class RemoteTier:
             return None
 
     # -- pointers (model fingerprint -> entry and its whole-model artifact) --------------------------
-    def publish_pointer(self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str) -> None:
+    def publish_pointer(
+        self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str, learnt: Sequence[int] = ()
+    ) -> None:
+        """The pointer from ``fingerprint`` to the entry, with its whole-model artifact and the
+        sizes learnt from traffic for it (``learnt``)."""
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
         if self.broken:
             return
         body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
+        if learnt:
+            body["learnt"] = [int(s) for s in learnt]
         try:
             model = read_index(entry).model
         except (OSError, ValueError, SyntaxError):
@@ -375,6 +381,9 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
     if remote.fetch(entry, body["key"], body["prefix"], model=_model_record(body.get("model"))):
         try:
             artifact.write_pointer(root, fingerprint, entry)
+            learnt = body.get("learnt")
+            if isinstance(learnt, list) and all(isinstance(s, int) and s >= 1 for s in learnt):
+                artifact.write_learnt(root, fingerprint, entry, learnt)
         except OSError as e:
             trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
 
@@ -389,15 +398,19 @@ def _model_record(value: Any) -> FileRecord | None:
     return FileRecord(MODEL, sha, size)
 
 
-def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any) -> None:
+def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown: bool = False) -> None:
     """After a trace: publish the pointer from ``fingerprint`` to the entry, with the whole-model
-    artifact; and the entry itself, unless it is in the store already (its lease holder published
-    it before letting go, or this process fetched it): one manifest per compile, not two."""
+    artifact and the sizes learnt for it; and the entry itself, unless it is in the store already
+    (its lease holder published it before letting go, or this process fetched it): one manifest
+    per compile, not two. ``grown``: the entry holds new pieces (a size learnt): published again."""
+    from tessera.cache import artifact
+
     key, prefix = entry.key, entry.path.name
-    if not remote.holds(key, prefix) and not remote.publish(entry.path, key, prefix):
+    if (grown or not remote.holds(key, prefix)) and not remote.publish(entry.path, key, prefix):
         return
     relative = entry.path.relative_to(root).as_posix()
-    remote.publish_pointer(fingerprint, entry.path, relative, key, prefix)
+    learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
+    remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
 
 
 def remote_tier(url: str | None) -> RemoteTier | None:

@@ -33,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "target", nargs="?", help="a cache entry directory or a Python script (default: newest)"
     )
     report.add_argument("--json", action="store_true", help="print the record as JSON")
+    report.add_argument(
+        "--html", metavar="PATH", help="write the record as a picture (timeline, sizes served) to PATH"
+    )
     report.add_argument("--root", help="cache root (default: $TESSERA_CACHE_DIR or the user cache dir)")
 
     bisect = sub.add_parser("bisect", help="run a script; compare each compiled piece with eager")
@@ -75,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tessera.cache.entry import cache_root
         from tessera.cli.report import report_command
 
-        return report_command(args.target, cache_root(args.root), args.json)
+        return report_command(args.target, cache_root(args.root), args.json, args.html)
     if args.command == "bisect":
         return bisect_command(args.script, args.atol, args.rtol)
     parser.print_help(sys.stdout)

@@ -125,10 +125,12 @@ def _sum(report: dict[str, Any], source: str) -> int:
     return sum(1 for a in report["artifacts"] if a["source"] == source)
 
 
-def report_command(target: str | None, root: Path, as_json: bool) -> int:
+def report_command(target: str | None, root: Path, as_json: bool, html: str | None = None) -> int:
     if target is not None and target.endswith(".py"):
         models = [m for m in run_script(target) if m.report is not None]
         reports = [m.report.as_dict() for m in models]
+        if html is not None:
+            return write_html(html, reports)
         if as_json:
             print(json.dumps(reports, indent=1))
         else:
@@ -147,8 +149,26 @@ def report_command(target: str | None, root: Path, as_json: bool) -> int:
     if latest is None:
         print(f"{entry}: no compile record (it is written at a model's first call)", file=sys.stderr)
         return 1
+    if html is not None:
+        return write_html(html, [latest])
     if as_json:
         print(json.dumps(latest, indent=1))
     else:
         render(latest, cold)
+    return 0
+
+
+def write_html(path: str, reports: list[dict[str, Any]]) -> int:
+    """The reports as one HTML page at ``path`` (see picture.py)."""
+    from tessera.cli.picture import render_html
+
+    if not reports:
+        print("no compiled model to draw", file=sys.stderr)
+        return 1
+    try:
+        Path(path).write_text(render_html(reports), encoding="utf-8")
+    except OSError as e:
+        print(f"cannot write {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({len(reports)} model(s))")
     return 0

@@ -1,0 +1,98 @@
+"""Subprocess helper: sizes learnt from traffic (compile_sizes="auto"), as a service calls.
+
+Usage: python -m tests.run_auto_sizes BACKEND TRAFFIC [HTML]
+BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones) or "none"
+(one call of a cold size). The model is the toy Llama (one layer on Inductor), parameters frozen, called in PyTorch's default state (grad enabled) from four threads; every output
+is compared with eager's in the calling thread (an exception fails the process). HTML: write the
+model's report there as a picture. Prints JSON: the sizes learnt, the counters, the artifacts
+obtained by size, and the first call's report kind.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+from typing import Any
+
+import torch
+
+import tessera
+from tessera.models import toy_llama
+
+HOT = (1, 4, 6)  # the sizes the skewed traffic is made of, mostly
+THREADS = 4
+CALLS = 160  # per thread
+
+
+def model_for(backend: str) -> torch.nn.Module:
+    """The toy Llama, parameters frozen (build's): one layer on Inductor (each compile counts)."""
+    layers = 1 if backend == "inductor" else 2
+    return toy_llama.build(num_layers=layers, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=64)
+
+
+def inputs(size: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 64, (size,), generator=generator), torch.arange(size))
+
+
+def traffic(seed: int, calls: int) -> list[int]:
+    """Mostly the hot sizes (about 25% each), the rest spread over 2..40."""
+    rng = random.Random(seed)
+    return [rng.choice(HOT) if rng.random() < 0.75 else rng.randint(2, 40) for _ in range(calls)]
+
+
+def main() -> None:
+    backend, kind = sys.argv[1], sys.argv[2]
+    html = sys.argv[3] if len(sys.argv) > 3 else None
+    model = model_for(backend)
+    reference = model
+    compiled = tessera.compile(model, backend=backend, compile_sizes="auto", prefix="auto")
+    errors: list[BaseException] = []
+
+    def serve(thread: int) -> None:
+        try:
+            for i, size in enumerate(traffic(thread, CALLS if kind == "skewed" else 1)):
+                args = inputs(size, thread * 1000 + i)
+                torch.testing.assert_close(compiled(*args), reference(*args))
+        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+            errors.append(e)
+
+    serve(0)  # the first call alone: its report says cold or warm
+    first_kind = compiled.report.kind
+    workers = [threading.Thread(target=serve, args=(t,)) for t in range(1, THREADS + 1)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    assert compiled.wait_ready(300), "the learnt sizes did not compile in time"
+    report = compiled.report
+    # After the compiles: each hot size is served by its static artifact now.
+    for size in HOT if kind == "skewed" else ():
+        args = inputs(size, 7)
+        torch.testing.assert_close(compiled(*args), reference(*args))
+    if html is not None:
+        from tessera.cli.picture import render_html
+
+        with open(html, "w", encoding="utf-8") as f:
+            f.write(render_html([compiled.report.as_dict()]))
+    served = {label for runner in compiled.runners.values() for label, n in runner.served() if n}
+    print(
+        json.dumps(
+            {
+                "first_kind": first_kind,
+                "learnt": list(report.learnt_sizes),
+                "counters": tessera.counters.snapshot(),
+                "obtained": sorted({(a.size, a.source) for a in report.artifacts}),
+                "served_by": sorted(served),
+                "files": sorted({a.file for a in compiled.report.artifacts if a.file}),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
