@@ -225,8 +225,10 @@ class PiecewiseBackend:
         self._sized: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = []
         self.tally: SizeTally | None = None
         self.learnt_sink: Callable[[PiecewiseBackend], None] | None = None
-        self.idle = threading.Event()  # clear while a learnt size compiles
+        self.idle = threading.Event()  # clear while learnt sizes compile
         self.idle.set()
+        self._learn_queue: list[int] = []  # sizes learnt, waiting for the learning thread
+        self._learn_lock = threading.Lock()  # the queue, and a learnt size's swap in or out
         if config.auto_sizes and config.cudagraph_capture_sizes is None:
             # The learnt sizes are the capture sizes (with the listed ones): a call pads to the
             # next of them, and runs without a graph above the largest.
@@ -616,47 +618,71 @@ class PiecewiseBackend:
         return learner.learnt if learner is not None else ()
 
     def _may_learn(self) -> bool:
-        return self.ready.is_set() and self.idle.is_set() and self._one_size()
+        return self.ready.is_set() and self._one_size()
 
     def _learn(self, size: int) -> None:
-        """Compile every sized piece at ``size`` in a thread of its own and swap each in (as a
-        background compile does), then record the learnt sizes for the next process."""
-        self.idle.clear()
+        """Queue ``size`` for the learning thread (started when none runs): it compiles every
+        sized piece at that size and swaps them in (as a background compile does), then records
+        the learnt sizes for the next process."""
+        with self._learn_lock:
+            self._learn_queue.append(size)
+            if not self.idle.is_set():
+                return
+            self.idle.clear()
         _compat.isolate_fx_tracing_flag()  # see start_background
         context = contextvars.copy_context()  # see start_background
         thread = threading.Thread(
-            target=context.run,
-            args=(self._compile_learnt, size),
-            name=f"tessera-learn-{self.prefix}",
-            daemon=False,
+            target=context.run, args=(self._learn_loop,), name=f"tessera-learn-{self.prefix}", daemon=False
         )
         thread.start()
         _compat.join_before_pools_shut(thread)
 
-    def _compile_learnt(self, size: int) -> None:
+    def _learn_loop(self) -> None:
+        assert self.tally is not None and self.tally.learner is not None
+        learner = self.tally.learner
+        while True:
+            with self._learn_lock:
+                if not self._learn_queue:
+                    self.idle.set()
+                    return
+                size = self._learn_queue.pop(0)
+            if self._compile_learnt(size):
+                learner.look(decay=False)  # the next hot size now, not EVERY calls later
+
+    def _compile_learnt(self, size: int) -> bool:
+        """Compile and swap in one learnt size; whether it was."""
+        assert self.tally is not None and self.tally.learner is not None
+        learner = self.tally.learner
         start = time.perf_counter()
         try:
+            obtained = []
             with self.state.applied():
                 for item, fake_args, real_args, content in self._sized:
                     inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
                     key = self.artifact_cache.content_key(content, size)
                     with COMPILE_LOCK:
-                        outcome = self.artifact_cache.get(item.graph, inputs, size, item.index, key)
-                    self._add_later(item, size, outcome)
+                        obtained.append(
+                            (item, self.artifact_cache.get(item.graph, inputs, size, item.index, key))
+                        )
             with COMPILE_LOCK:
                 self.artifact_cache.flush()
-            for piece in self.graph_pieces:  # captured from the next call of a size it pads
-                piece.add_capture_size(size)
-            if self.graph_pieces:
-                self.capture_sizes = tuple(sorted({*self.capture_sizes, size}))
+            with self._learn_lock:
+                if size not in learner.learnt:  # retired while it compiled: the artifacts stay unused
+                    return False
+                for item, outcome in obtained:  # every piece at once
+                    self._add_later(item, size, outcome)
+                for piece in self.graph_pieces:  # captured from the next call of a size it pads
+                    piece.add_capture_size(size)
+                if self.graph_pieces:
+                    self.capture_sizes = tuple(sorted({*self.capture_sizes, size}))
             counters.bump("sizes_learnt")
             self.phases["learn_sizes"] = self.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
             log.info("%s: size %d learnt in %.2fs", self.prefix, size, time.perf_counter() - start)
             if self.learnt_sink is not None:
                 self.learnt_sink(self)
+            return True
         except Exception as e:  # what serves keeps serving; the size is not tried again
-            assert self.tally is not None and self.tally.learner is not None
-            self.tally.learner.refuse(size)
+            learner.refuse(size)
             log.warning(
                 "%s: compiling learnt size %d failed (%s: %s); the general artifact keeps serving it",
                 self.prefix,
@@ -664,18 +690,18 @@ class PiecewiseBackend:
                 type(e).__name__,
                 e,
             )
-        finally:
-            self.idle.set()
+            return False
 
     def _retire(self, size: int) -> None:
         """A learnt size no longer hot: its artifact out of every piece (calls of that size go
         to the general artifact, or a range), and out of the record for the next process."""
-        for runner in list(self.runners.values()):
-            runner.drop(size)
-        for piece in self.graph_pieces:
-            piece.remove_capture_size(size)
-        if self.graph_pieces:
-            self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
+        with self._learn_lock:
+            for runner in list(self.runners.values()):
+                runner.drop(size)
+            for piece in self.graph_pieces:
+                piece.remove_capture_size(size)
+            if self.graph_pieces:
+                self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
         counters.bump("sizes_retired")
         if self.learnt_sink is not None:
             try:

@@ -89,13 +89,15 @@ class SizeLearner:
         total = sum(recent.values())
         return {s: c / total for s, c in recent.items()} if total else {}
 
-    def look(self) -> None:
-        """Learn the sizes that hold ``share`` of recent calls (retiring colder ones for them)."""
+    def look(self, decay: bool = True) -> None:
+        """Learn the size that holds ``share`` of recent calls (retiring a colder one for it).
+        ``decay``: older calls weigh less from now on (the looks every EVERY calls)."""
         if not self._look.acquire(blocking=False):
             return
         try:
             shares = self.shares()
-            self._recent = {s: c * DECAY for s, c in self._recent.items() if c * DECAY >= 0.5}
+            if decay:
+                self._recent = {s: c * DECAY for s, c in self._recent.items() if c * DECAY >= 0.5}
             if not self._ready():
                 return
             hot = sorted(

@@ -2,8 +2,9 @@
 
 Usage: python -m tests.run_auto_sizes BACKEND TRAFFIC [HTML]
 BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones) or "none"
-(one call of a cold size). The model is the toy Llama (one layer on Inductor), parameters frozen, called in PyTorch's default state (grad enabled) from four threads; every output
-is compared with eager's in the calling thread (an exception fails the process). HTML: write the
+(one call of a cold size). The model is the toy Llama (one layer on Inductor), parameters
+frozen, called in PyTorch's default state (grad enabled) from four threads; every output is
+compared with eager's in the calling thread (an exception fails the process). HTML: write the
 model's report there as a picture. Prints JSON: the sizes learnt, the counters, the artifacts
 obtained by size, and the first call's report kind.
 """
@@ -14,7 +15,6 @@ import json
 import random
 import sys
 import threading
-from typing import Any
 
 import torch
 
@@ -56,7 +56,7 @@ def main() -> None:
             for i, size in enumerate(traffic(thread, CALLS if kind == "skewed" else 1)):
                 args = inputs(size, thread * 1000 + i)
                 torch.testing.assert_close(compiled(*args), reference(*args))
-        except BaseException as e:  # noqa: BLE001  (reported by the main thread)
+        except BaseException as e:  # reported by the main thread
             errors.append(e)
 
     serve(0)  # the first call alone: its report says cold or warm
@@ -80,7 +80,7 @@ def main() -> None:
         with open(html, "w", encoding="utf-8") as f:
             f.write(render_html([compiled.report.as_dict()]))
     served = {label for runner in compiled.runners.values() for label, n in runner.served() if n}
-    print(
+    print(  # noqa: T201  (the helper's report to the test)
         json.dumps(
             {
                 "first_kind": first_kind,

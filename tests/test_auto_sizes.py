@@ -1,0 +1,229 @@
+"""Sizes learnt from traffic (compile_sizes="auto"): what is learnt, retired, served, and loaded by
+the next process; with threads calling, every output equal to eager's. The learner alone is tested
+on counts; the served path on the toy Llama (eager compiler; one Inductor case, cold and warm)."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tessera
+from tessera import backend as backend_module
+from tessera import learn
+from tessera.cli.picture import render_html
+from tessera.config import CompileConfig
+from tessera.errors import ConfigError
+from tessera.models import toy_llama
+from tests.child import run_json
+from tests.test_cudagraph_logic import StandInGraphs
+
+
+# -- configuration --------------------------------------------------------------------------------
+def test_auto_alone_or_beside_listed_sizes(monkeypatch):
+    assert CompileConfig(compile_sizes="auto").sizes == ()
+    assert CompileConfig(compile_sizes="auto").auto_sizes == learn.DEFAULT_LIMIT
+    both = CompileConfig(compile_sizes=[1, 8, "auto"], auto_sizes=3)
+    assert (both.sizes, both.auto_sizes) == ((1, 8), 3)
+    assert CompileConfig(compile_sizes=[1, 8]).auto_sizes == 0
+    monkeypatch.setenv("TESSERA_COMPILE_SIZES", "2,auto")
+    from_env = CompileConfig()
+    assert (from_env.sizes, from_env.auto_sizes) == ((2,), learn.DEFAULT_LIMIT)
+    # "auto" changes no artifact's code: the same cache key as the listed sizes alone.
+    assert from_env.compute_hash() == CompileConfig(compile_sizes=[2]).compute_hash()
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"auto_sizes": -1}, "auto_sizes=-1"),
+        ({"auto_sizes_share": 0}, "auto_sizes_share=0"),
+        ({"auto_sizes_share": 1.5}, "auto_sizes_share=1.5"),
+        ({"compile_sizes": ["auto", "bad"]}, "compile_sizes must hold integers"),
+    ],
+)
+def test_bad_auto_settings_are_config_errors(change, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        CompileConfig(**change)
+
+
+# -- the learner ----------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self) -> None:
+        self.learnt: list[int] = []
+        self.retired: list[int] = []
+
+    def learner(self, limit: int = 8, share: float = 0.05, listed=(), learnt=()) -> learn.SizeLearner:
+        return learn.SizeLearner(
+            limit, share, listed, learnt, self.learnt.append, self.retired.append, lambda: True
+        )
+
+
+def feed(learner: learn.SizeLearner, sizes: list[int], times: int) -> None:
+    for _ in range(times):
+        for size in sizes:
+            learner.seen(size)
+
+
+def test_hot_sizes_are_learnt_hottest_first_and_cold_and_listed_ones_are_not():
+    recorder = Recorder()
+    learner = recorder.learner(listed=[2])
+    # 1: 40%, 2: 30% (listed), 3: 20%, then ten sizes at 1% each.
+    traffic = [1] * 40 + [2] * 30 + [3] * 20 + list(range(10, 20))
+    feed(learner, traffic, 20)
+    assert recorder.learnt == [1, 3]  # one per look, hottest first
+    assert learner.learnt == (1, 3)
+    assert recorder.retired == []
+
+
+def test_at_most_limit_sizes_and_a_much_hotter_one_takes_the_coldest_place():
+    recorder = Recorder()
+    learner = recorder.learner(limit=2)
+    feed(learner, [1] * 5 + [2] * 3 + [3] * 2, 40)
+    assert learner.learnt == (1, 2)  # 3 (20%) is not twice as hot as 2 (30%): no churn
+    feed(learner, [5] * 9 + [1], 400)  # the traffic moves to 5
+    assert 5 in learner.learnt and recorder.retired == [2]
+    assert len(learner.learnt) == 2
+
+
+def test_a_size_whose_compile_failed_is_not_tried_again():
+    recorder = Recorder()
+    learner = recorder.learner()
+    feed(learner, [7], 64)
+    learner.refuse(7)
+    feed(learner, [7], 640)
+    assert recorder.learnt == [7] and learner.learnt == ()
+
+
+# -- served -----------------------------------------------------------------------------------------
+def test_threads_calling_while_sizes_are_learnt_get_eager_results_and_the_next_process_loads_them(
+    tmp_path: Path,
+):
+    cold = run_json("tests.run_auto_sizes", "eager", "skewed", cache=tmp_path)
+    assert cold["first_kind"] == "cold"
+    assert sorted(cold["learnt"]) == [1, 4, 6]  # the hot sizes, no cold one
+    assert cold["counters"]["sizes_learnt"] == 3
+    assert {"size 1", "size 4", "size 6"} <= set(cold["served_by"])
+    warm = run_json("tests.run_auto_sizes", "eager", "none", cache=tmp_path)
+    assert warm["first_kind"] == "warm"
+    assert sorted(warm["learnt"]) == [1, 4, 6]
+    assert warm["counters"]["eager_compiles"] == 0 and warm["counters"]["graphs_traced"] == 0
+    assert {tuple(o) for o in warm["obtained"]} >= {(f"size {s}", "loaded") for s in (1, 4, 6)}
+
+
+def test_a_retired_size_goes_back_to_the_general_artifact_and_out_of_the_record():
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend="eager", compile_sizes="auto", auto_sizes=1)
+
+    def call(size: int) -> None:
+        ids, pos = toy_llama.example_inputs(size)
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+
+    for _ in range(2 * learn.EVERY):
+        call(3)
+    assert compiled.wait_ready(60)
+    assert compiled.report.learnt_sizes == (3,)
+    for _ in range(30 * learn.EVERY):  # the traffic moves to 5; 3 cools down
+        call(5)
+    assert compiled.wait_ready(60)
+    assert compiled.report.learnt_sizes == (5,)
+    assert tessera.counters.snapshot()["sizes_retired"] == 1
+    runner = next(r for r in compiled.runners.values() if r.source is not None)
+    assert runner.sizes() == (5,) and runner.artifact_for(3) == "general"
+    call(3)
+    call(5)
+
+
+def test_learnt_sizes_are_the_capture_sizes_under_cuda_graphs(monkeypatch):
+    graphs = StandInGraphs()
+    monkeypatch.setattr(backend_module, "cuda_graphs_available", lambda mode: True)
+    monkeypatch.setattr(backend_module, "CUDAGraphBackend", lambda: graphs)
+    model = toy_llama.build_decode(num_layers=1, max_batch=16, max_len=64)
+    reference = copy.deepcopy(model)
+    compiled = tessera.compile(model, backend="eager", cudagraph_mode="piecewise", compile_sizes="auto")
+    generator = torch.Generator().manual_seed(0)
+
+    def step(batch: int, position: int) -> None:
+        ids = torch.randint(0, 256, (batch,), generator=generator)
+        pos = torch.full((batch,), position)
+        with torch.no_grad():  # the decode model writes its KV cache in place
+            torch.testing.assert_close(compiled(ids, pos), reference(ids, pos))
+
+    for position in range(learn.EVERY + 1):
+        step(8, position % 60)
+    assert compiled.wait_ready(60)
+    assert compiled.report.learnt_sizes == (8,)
+    assert all(p.cudagraph_sizes == () for p in compiled.pieces)  # records keep the configured list
+    for position in range(3):
+        step(5, position)  # padded up to the learnt 8, replayed
+    # Nothing was captured before 8 was learnt; each piece once at 8 since (5 pads to it).
+    assert tessera.counters.snapshot()["cudagraphs_captured"] == sum(
+        not p.is_splitting for p in compiled.pieces
+    )
+    assert graphs.replays >= 2
+    step(12, 3)  # above every learnt size: no graph, still eager's result
+
+
+# -- the picture --------------------------------------------------------------------------------------
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tmp_path: Path):
+    html = tmp_path / "report.html"
+    cold = run_json("tests.run_auto_sizes", "inductor", "skewed", str(html), cache=tmp_path)
+    assert sorted(cold["learnt"]) == [1, 4, 6]
+    assert cold["counters"]["inductor_compiles"] > 0
+    page = html.read_text(encoding="utf-8")
+    assert cold["files"] and all(name in page for name in cold["files"])
+    assert page.count("<svg") == 2 and "static size (learnt from traffic)" in page
+    warm = run_json("tests.run_auto_sizes", "inductor", "skewed", cache=tmp_path)
+    assert warm["first_kind"] == "warm" and sorted(warm["learnt"]) == [1, 4, 6]
+    assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["sizes_learnt"] == 0
+
+
+def test_report_html_from_the_command_line_draws_a_scripts_models(tmp_path: Path):
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import torch, tessera\n"
+        "from tessera.models import toy_llama\n"
+        "model = toy_llama.build(num_layers=1)\n"
+        "compiled = tessera.compile(model, backend='eager', compile_sizes=[2, 'auto'])\n"
+        "for n in [2, 3, 3, 9]:\n"
+        "    ids, pos = toy_llama.example_inputs(n)\n"
+        "    torch.testing.assert_close(compiled(ids, pos), model(ids, pos))\n"
+    )
+    out = tmp_path / "picture.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "report", str(script), "--html", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**__import__("os").environ, "TESSERA_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text(encoding="utf-8")
+    assert "Compile timeline" in page and "Sizes served" in page
+    # The histogram: sizes 2 (its static artifact), 3 and 9 (general).
+    assert "size 2: 1 call(s) served by static size (listed)" in page
+    assert "size 3: 2 call(s) served by general (symbolic size)" in page
+
+
+def test_the_picture_of_a_report_without_calls_says_so():
+    report = {
+        "model": "m",
+        "kind": "cold",
+        "total_seconds": 0.1,
+        "pieces": 0,
+        "compiled_pieces": 0,
+        "backend": "eager",
+        "cache_entry": None,
+        "whole_model_artifact": "not written",
+        "artifacts": [],
+    }
+    page = render_html([report])
+    assert "No compile in this process." in page and "No call with a size counted yet." in page
