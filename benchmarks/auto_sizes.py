@@ -1,0 +1,189 @@
+"""Sizes learnt from traffic: mean per-call latency over a skewed traffic trace, and compile time.
+
+``python -m benchmarks.auto_sizes [--quick] [--shares 0.02 0.05 0.1]``. The 4-layer width-256 toy
+Llama on Inductor serves one trace of calls: decode steps whose batch size (tokens) is drawn from a
+Zipf-like distribution over 1..64, and a few prefills of 64, 128 or 200 tokens. Compared, in the
+same process: eager, stock ``torch.compile(dynamic=True)``, tessera with no compile sizes, tessera
+with a good hand-written list (the trace's 8 most frequent sizes: the best list of 8 a user who
+knew the traffic could write), and tessera with ``compile_sizes="auto"`` at each share.
+
+Each compiled variant first serves the trace until nothing more compiles (its warm-up: the
+learning, for auto); its compile seconds are what it spent tracing and compiling (Inductor's cache
+empty per variant). Then every variant serves the whole trace once per round, round-robin, and a
+figure is the median over the rounds of the mean per-call latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import tessera
+from benchmarks import header
+from tessera.models import toy_llama
+
+MODEL: dict[str, Any] = {
+    "num_layers": 4,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+}
+PREFILLS = (64, 128, 200)
+PREFILL_SHARE = 0.06
+ZIPF = 1.2  # decode batch b drawn with weight 1 / b**ZIPF
+HAND_LIST = 8
+
+
+def traffic(calls: int, seed: int = 0) -> list[int]:
+    """The trace: token counts, in call order."""
+    rng = random.Random(seed)
+    batches = list(range(1, 65))
+    weights = [1 / b**ZIPF for b in batches]
+    return [
+        rng.choice(PREFILLS) if rng.random() < PREFILL_SHARE else rng.choices(batches, weights)[0]
+        for _ in range(calls)
+    ]
+
+
+@contextlib.contextmanager
+def empty_inductor_cache() -> Iterator[None]:
+    """An empty Inductor cache for one variant's compiles (Inductor reads the variable at each
+    cache access, background threads included: kept until the variant is ready)."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="tessera-auto-") as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+        try:
+            yield
+        finally:
+            if previous is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def serve(fn: Callable[..., Any], trace: list[int], inputs: dict[int, tuple[Any, ...]]) -> float:
+    """Serve the trace once; the mean seconds per call."""
+    with torch.no_grad():
+        start = time.perf_counter()
+        for n in trace:
+            fn(*inputs[n])
+        return (time.perf_counter() - start) / len(trace)
+
+
+def warm_up(name: str, make: Callable[[], Any], trace: list[int], inputs: dict[int, Any]) -> dict[str, Any]:
+    """Compile a variant and serve the trace until it compiles nothing more (at most 6 passes)."""
+    with empty_inductor_cache():
+        start = time.perf_counter()
+        fn = make()
+        with torch.no_grad():
+            fn(*inputs[trace[0]])
+        first = time.perf_counter() - start
+        passes = 0
+        learnt: tuple[int, ...] = ()
+        for passes in range(1, 7):
+            serve(fn, trace, inputs)
+            if isinstance(fn, tessera.CompiledModel):
+                fn.wait_ready()
+                now = fn.report.learnt_sizes if fn.report is not None else ()
+                if now == learnt and passes > 1:
+                    break
+                learnt = now
+            else:
+                break
+        wall = time.perf_counter() - start
+    row: dict[str, Any] = {"variant": name, "first_output_seconds": first, "warm_up_passes": passes}
+    if isinstance(fn, tessera.CompiledModel):
+        report = fn.report
+        assert report is not None
+        compiled = [a for a in report.artifacts if a.source == "compiled"]
+        row["compile_seconds"] = report.phase("trace") + sum(a.seconds for a in compiled)
+        row["artifacts_compiled"] = len(compiled)
+        row["static_sizes"] = sorted({int(a.size.split()[1]) for a in compiled if a.size.startswith("size")})
+        row["learnt_sizes"] = list(report.learnt_sizes)
+    else:
+        row["compile_seconds"] = first if name.startswith("stock") else 0.0
+    row["warm_up_wall_seconds"] = wall
+    row["fn"] = fn
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 200 calls instead of 9 of 400")
+    parser.add_argument("--shares", nargs="*", type=float, default=[0.02, 0.05, 0.1])
+    args = parser.parse_args(argv)
+    calls, rounds = (200, 3) if args.quick else (400, 9)
+    torch.manual_seed(0)
+    trace = traffic(calls)
+    counts = Counter(trace)
+    hand = sorted(n for n, _ in counts.most_common(HAND_LIST))
+    inputs = {n: toy_llama.example_inputs(n) for n in counts}
+    model = toy_llama.build(**MODEL)
+    cache = tempfile.mkdtemp(prefix="tessera-auto-cache-")
+
+    def ours(name: str, **options: Any) -> Callable[[], Any]:
+        root = os.path.join(cache, name.replace(" ", "_"))
+        return lambda: tessera.compile(model, backend="inductor", cache_dir=root, prefix="llama", **options)
+
+    variants: list[tuple[str, Callable[[], Any]]] = [
+        ("eager", lambda: model),
+        ("stock torch.compile (dynamic)", lambda: torch.compile(model, backend="inductor", dynamic=True)),
+        ("tessera, no sizes", ours("none")),
+        (f"tessera, hand-written list {hand}", ours("hand", compile_sizes=hand)),
+        *[
+            (f"tessera, auto (share {s})", ours(f"auto{s}", compile_sizes="auto", auto_sizes_share=s))
+            for s in args.shares
+        ],
+    ]
+    rows = []
+    for name, make in variants:
+        rows.append(warm_up(name, make, trace, inputs))
+        print(f"{name}: ready", file=sys.stderr)
+    samples: dict[str, list[float]] = {r["variant"]: [] for r in rows}
+    for _ in range(rounds):
+        for row in rows:
+            samples[row["variant"]].append(serve(row["fn"], trace, inputs))
+    best_list = None
+    for row in rows:
+        row.pop("fn")
+        row["mean_ms_per_call"] = statistics.median(samples[row["variant"]]) * 1e3
+        row["rounds_ms"] = [s * 1e3 for s in samples[row["variant"]]]
+        if row["variant"].startswith("tessera, hand"):
+            best_list = row["mean_ms_per_call"]
+    eager = rows[0]["mean_ms_per_call"]
+    for row in rows:
+        row["over_eager"] = row["mean_ms_per_call"] / eager
+        if best_list is not None:
+            row["over_hand_list"] = row["mean_ms_per_call"] / best_list
+    result = {
+        **header("auto_sizes"),
+        "model": MODEL,
+        "traffic": {
+            "calls": calls,
+            "rounds": rounds,
+            "distinct_sizes": len(counts),
+            "top_sizes": [[n, c / calls] for n, c in counts.most_common(12)],
+            "prefill_share": sum(counts[p] for p in PREFILLS) / calls,
+        },
+        "variants": rows,
+    }
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
