@@ -7,6 +7,7 @@ module runs the root module's hooks around them and keeps the record of the firs
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import enum
@@ -18,6 +19,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,17 @@ log = logging.getLogger(__name__)
 # ``tessera report SCRIPT`` / ``tessera bisect SCRIPT`` set this to a list: every compiled model
 # is appended, and keeps its first call's arguments (first_call) for bisection.
 RECORDER: list[CompiledModel] | None = None
+
+
+def _save_at_exit(ref: weakref.ref[CompiledModel], kind: str) -> None:
+    model = ref()
+    if model is None or model.cache_dir is None:
+        return
+    try:
+        report = dataclasses.replace(model._make_report(), kind=kind)
+        save_report(model.cache_dir, kind, json.dumps(report.as_dict(), indent=1))
+    except Exception as e:  # a record at exit is best effort: never an error at shutdown
+        log.debug("%s: compile record not saved at exit: %s", model.name, e)
 
 
 def compile(
@@ -378,6 +391,9 @@ class CompiledModel:
         _compat.trace_artifact("tessera_compile_report", lambda: as_json, in_compile=False)
         if self.cache_dir is not None:
             save_report(self.cache_dir, report.kind, as_json)
+            # Again at exit, with every size served since and what compiled after the first call
+            # (background sizes, learnt sizes): what `tessera report ENTRY --html` draws.
+            atexit.register(_save_at_exit, weakref.ref(self), report.kind)
         if self._on_compiled is not None:
             self._on_compiled(report)
         return output
