@@ -595,12 +595,18 @@ class PiecewiseBackend:
                 self._retire,
                 self._may_learn,
             )
-            if not self._one_size():
+            if not self._sized:
                 log.info(
-                    "%s: sizes are learnt by a process that traces this model with one dynamic size; "
-                    "this one serves the %d learnt size(s) it loaded",
+                    "%s: auto sizes: the pieces were loaded, not traced, so this process serves the %d "
+                    "learnt size(s) it loaded and learns none (a process that traces the model does)",
                     self.prefix,
                     len(learner.learnt),
+                )
+            elif not self._one_size():
+                log.info(
+                    "%s: auto sizes: the pieces have more than one dynamic size and a learnt size "
+                    "specialises one, so none is learnt; mark the one dim that varies with dynamic_dims",
+                    self.prefix,
                 )
         self.tally = SizeTally(learner)
         runner.tally = self.tally

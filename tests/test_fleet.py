@@ -607,3 +607,20 @@ def test_taking_from_a_sibling_rank_skips_files_that_are_gone(tmp_path):
     _take_from_siblings(store)
     assert list(store.index.entries.values()) == [present]
     assert (ours / "artifacts" / "a.bin").read_bytes() == data and not (ours / "artifacts" / "b.bin").exists()
+
+
+def test_sizes_one_replica_learnt_are_served_by_a_replica_with_an_empty_local_cache(tmp_path, redis_server):
+    from tessera import learn
+
+    first = _compile_and_check(tmp_path / "first", redis_server.url, compile_sizes="auto")
+    ids, pos = toy_llama.example_inputs(3)
+    for _ in range(2 * learn.EVERY):
+        first(ids, pos)
+    assert first.wait_ready(60) and first.report.learnt_sizes == (3,)
+    torch._dynamo.reset()
+    tessera.counters.reset()
+    second = _compile_and_check(tmp_path / "second", redis_server.url, compile_sizes="auto")
+    assert second.warm_start is True and second.report.learnt_sizes == (3,)
+    assert tessera.counters.snapshot()["eager_compiles"] == 0
+    runner = next(r for r in second.runners.values() if r.source is not None)
+    assert runner.artifact_for(3) == "size 3"
