@@ -94,8 +94,9 @@ def test_prefill_matches_eager_with_inductor(family):
     [
         ("llama", "eager"),
         ("qwen2", "eager"),
+        # Qwen2 is Llama's graph with biases: on Inductor it added 23 s of CI and nothing Llama's
+        # run does not (the warm-process test below drops it for the same reason).
         pytest.param("llama", "inductor", marks=pytest.mark.inductor),
-        pytest.param("qwen2", "inductor", marks=pytest.mark.inductor),
     ],
 )
 def test_greedy_generation_matches_eager_token_for_token(family, backend):
@@ -192,10 +193,10 @@ def _run_hf(tmp_path: Path, family: str, backend: str, out: str) -> dict:
 @pytest.mark.parametrize(
     ("family", "backend"),
     [
-        # Three families warm in CI (the 20-minute budget); `tests.run_hf` serves all six.
+        # Three families warm in CI (its 30-minute budget); `tests.run_hf` serves all six, on
+        # either compiler (`python -m tests.run_hf qwen2 inductor OUT`).
         *((family, "eager") for family in ("gemma3", "llama", "qwen2")),
         pytest.param("llama", "inductor", marks=pytest.mark.inductor),
-        pytest.param("qwen2", "inductor", marks=pytest.mark.inductor),
     ],
 )
 def test_warm_process_generates_the_same_tokens_without_tracing(tmp_path, family, backend):
