@@ -528,6 +528,11 @@ class PiecewiseBackend:
         finally:
             self.phases.setdefault("background_compile", time.perf_counter() - start)
             self._later = []
+            # The sizes counted while the trace's own sizes compiled are learnt now, not at the
+            # next look; before ``ready`` is set, so that a wait for it waits for them too.
+            learner = self.tally.learner if self.tally is not None else None
+            if learner is not None:
+                learner.look(decay=False)
             with self._after_lock:
                 self.ready.set()
             self._run_after_ready()
@@ -624,7 +629,8 @@ class PiecewiseBackend:
         return learner.learnt if learner is not None else ()
 
     def _may_learn(self) -> bool:
-        return self.ready.is_set() and self._one_size()
+        # The trace's own sizes first: nothing is left for the background compile.
+        return not self._later and self._one_size()
 
     def _learn(self, size: int) -> None:
         """Queue ``size`` for the learning thread (started when none runs): it compiles every
