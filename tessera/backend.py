@@ -615,6 +615,9 @@ class PiecewiseBackend:
                 )
         self.tally = SizeTally(learner)
         runner.tally = self.tally
+        for piece in self.graph_pieces:  # its replays bypass the runner: counted by the piece
+            if piece.fn is runner:
+                piece.tally = self.tally
 
     def _one_size(self) -> bool:
         """Whether static sizes can be compiled here: this process traced the pieces, and they

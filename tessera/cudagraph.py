@@ -18,6 +18,7 @@ import torch
 
 from tessera import counters
 from tessera.errors import TesseraError
+from tessera.learn import SizeTally
 from tessera.piece import DynamicInputs, SizeSource
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class _Captured:
     outputs: Any = None
     warmups: int = 0
     addresses: tuple[int, ...] = ()
+    label: str = ""  # the artifact captured, as the size tally names it ("size 8 (graph)")
 
 
 class CUDAGraphPiece:
@@ -112,6 +114,9 @@ class CUDAGraphPiece:
         self.first = first
         self.debug = debug
         self.states: dict[int, _Captured] = {}
+        # The model's size tally when this piece's runner holds it: a replay does not call the
+        # runner, so the replayed calls are counted here (under the artifact captured).
+        self.tally: SizeTally | None = None
 
     def add_capture_size(self, size: int) -> None:
         """A size learnt from traffic: captured at its next call (calls pad up to it)."""
@@ -135,6 +140,8 @@ class CUDAGraphPiece:
             self._capture(state, padded, args)
         self._fill(state, args, size)
         self.backend.replay(state.graph)
+        if self.tally is not None:
+            self.tally.seen(size, state.label)
         return self._slice(state.outputs, size, padded)
 
     def _capture(self, state: _Captured, padded: int, args: Sequence[Any]) -> None:
@@ -144,6 +151,8 @@ class CUDAGraphPiece:
         # future backend) then computes exactly what the replay of this call will.
         self._fill(state, args, self.source.read(args))
         first = self.first and not any(s.graph is not None for s in self.states.values())
+        artifact_for = getattr(self.fn, "artifact_for", None)
+        state.label = f"{artifact_for(padded) if artifact_for else 'general'} (graph)"
         state.graph, state.outputs = self.backend.capture(lambda: self.fn(*state.static_args), first)
         counters.bump("cudagraphs_captured")
         log.debug("%s: captured CUDA graph for size %d", self.name, padded)

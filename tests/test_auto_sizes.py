@@ -170,6 +170,13 @@ def test_learnt_sizes_are_the_capture_sizes_under_cuda_graphs(monkeypatch):
     )
     assert graphs.replays >= 2
     step(12, 3)  # above every learnt size: no graph, still eager's result
+    # Replayed calls are counted too: 5, served by graph 8, becomes hot and is learnt.
+    for position in range(2 * learn.EVERY):
+        step(5, position % 60)
+    assert compiled.wait_ready(60)
+    assert compiled.report.learnt_sizes == (8, 5)
+    served = {(size, label) for size, label, _ in compiled.report.sizes_served}
+    assert (5, "size 8 (graph)") in served and (5, "size 5 (graph)") in served
 
 
 # -- the picture --------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def kind_of(label: str, learnt: Sequence[int] = ()) -> str:
         return "as traced"
     if label.startswith("range"):
         return "range"
-    if label.startswith("size"):
+    if label.startswith("size"):  # "size 8", or "size 8 (graph)": a CUDA graph replay of it
         size = label.split()[1]
         return "learnt size" if size.isdigit() and int(size) in learnt else "size"
     return "general"
