@@ -694,7 +694,12 @@ class PiecewiseBackend:
             self.phases["learn_sizes"] = self.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
             log.info("%s: size %d learnt in %.2fs", self.prefix, size, time.perf_counter() - start)
             if self.learnt_sink is not None:
-                self.learnt_sink(self)
+                try:
+                    self.learnt_sink(self)
+                except Exception as e:  # a hint for the next process: never a failure here
+                    log.warning(
+                        "%s: the learnt sizes were not recorded (%s: %s)", self.prefix, type(e).__name__, e
+                    )
             return True
         except Exception as e:  # what serves keeps serving; the size is not tried again
             learner.refuse(size)
@@ -717,14 +722,10 @@ class PiecewiseBackend:
                 piece.remove_capture_size(size)
             if self.graph_pieces:
                 self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
+        # Recorded for the next process by the learning thread, once the size that takes this
+        # one's place is in (a retirement is always for a newcomer): never a write, or a remote
+        # publish, on the serving call that made the look.
         counters.bump("sizes_retired")
-        if self.learnt_sink is not None:
-            try:
-                self.learnt_sink(self)
-            except Exception as e:  # the record is a hint for the next process: never a failure here
-                log.warning(
-                    "%s: the learnt sizes were not recorded (%s: %s)", self.prefix, type(e).__name__, e
-                )
 
     # -- compile workers ------------------------------------------------------------------------
     def _compile_pool(self, sized: bool) -> CompilePool | None:
