@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,8 +44,28 @@ def _clean_state(request, tmp_path, monkeypatch):
         # tessera compiled or loaded must not pass on kernels an earlier test left behind. Child
         # processes inherit the directory through TORCHINDUCTOR_CACHE_DIR.
         with _compat.fresh_inductor_cache(str(tmp_path)):
+            # The probe describes the machine, not a model: no test can pass on it, and every
+            # graph and kernel cache stays empty. It saves each Inductor process of a test ~3 s.
+            probe = request.getfixturevalue("_inductor_probe")
+            shutil.copytree(probe, os.environ["TORCHINDUCTOR_CACHE_DIR"], dirs_exist_ok=True)
             yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def _inductor_probe(tmp_path_factory) -> Path:
+    """Inductor's CPU probe (the vector-ISA test program it builds with g++: about 3 s on the
+    2-core machine, in every process with an empty cache), built once, in a child: the probe's
+    result is memoised per process."""
+    seed = tmp_path_factory.mktemp("inductor-probe")
+    subprocess.run(
+        [sys.executable, "-c", "from torch._inductor import cpu_vec_isa; cpu_vec_isa.pick_vec_isa()"],
+        env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(seed)},
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return seed
 
 
 def silly_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -200,10 +200,11 @@ def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tm
     assert cold["files"] and all(name in page for name in cold["files"])
     assert page.count("<svg") == 2 and "static size (learnt from traffic)" in page
     warm = run_json(
-        "tests.run_auto_sizes", "inductor", "skewed", cache=tmp_path, TESSERA_BACKGROUND_COMPILE="1"
+        "tests.run_auto_sizes", "inductor", "none", cache=tmp_path, TESSERA_BACKGROUND_COMPILE="1"
     )
     assert warm["first_kind"] == "warm" and sorted(warm["learnt"]) == [1, 4, 6]
     assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["sizes_learnt"] == 0
+    assert {"size 1", "size 4", "size 6"} <= set(warm["served_by"])  # from its first calls
 
 
 def test_report_html_from_the_command_line_draws_a_scripts_models(tmp_path: Path):
