@@ -223,6 +223,7 @@ class PiecewiseBackend:
         # each sized piece, its fake and real inputs and content), the counter of the sizes
         # served, and what records the learnt sizes for the next process (set by the model).
         self._sized: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = []
+        self._one_size_memo: bool | None = None
         self.tally: SizeTally | None = None
         self.learnt_sink: Callable[[PiecewiseBackend], None] | None = None
         self.idle = threading.Event()  # clear while learnt sizes compile
@@ -621,9 +622,11 @@ class PiecewiseBackend:
 
     def _one_size(self) -> bool:
         """Whether static sizes can be compiled here: this process traced the pieces, and they
-        share one dynamic size."""
-        symbols = {frozenset(map(str, free_symbols(fake))) for _, fake, _, _ in self._sized}
-        return len(symbols) == 1 and len(next(iter(symbols))) == 1
+        share one dynamic size (worked out once: the pieces are built before anything is served)."""
+        if self._one_size_memo is None:
+            symbols = {frozenset(map(str, free_symbols(fake))) for _, fake, _, _ in self._sized}
+            self._one_size_memo = len(symbols) == 1 and len(next(iter(symbols))) == 1
+        return self._one_size_memo
 
     @property
     def learnt_sizes(self) -> tuple[int, ...]:
