@@ -15,7 +15,7 @@ TORCH_SPEC := torch==$(TORCH)
 endif
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-install
-EXTRAS := .[dev,hf,debug,remote,diffusers]
+EXTRAS := .[dev,hf,debug,remote,objectstore,diffusers]
 # The newest release of every dependency but torch, and transformers' oldest that pyproject admits.
 NEWEST := $(VENVS)/newest-$(subst ==,-,$(TORCH_SPEC))
 HF_OLDEST ?= 4.57.1

@@ -453,7 +453,7 @@ class CompiledModel:
         config = self.compile_config
         compiler = make_compiler(config.backend)
         root = None if config.disable_cache else cache_root(config.cache_dir)
-        remote = remote_tier(config.cache_remote) if root is not None else None
+        remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
         prefix = self.prefix or "model"
         print_ = None
         if root is not None:

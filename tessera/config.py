@@ -144,6 +144,9 @@ class CompileConfig:
     )
     debug_dump_dir: str | None = field(default_factory=lambda: v.env_value("DEBUG_DUMP", None))
     cache_remote: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE", None))
+    # With an object store as cache_remote: a Redis URL that holds the leases instead of the store
+    # (the store's conditional writes hold them when None).
+    cache_remote_leases: str | None = field(default_factory=lambda: v.env_value("CACHE_REMOTE_LEASES", None))
 
     def __post_init__(self) -> None:
         # Checked, then normalised to tuples so the frozen record cannot be mutated through a list.
@@ -174,6 +177,7 @@ class CompileConfig:
             "cache_dir": v.check_cache_dir(self.cache_dir),
             "debug_dump_dir": v.check_cache_dir(self.debug_dump_dir, "debug_dump_dir"),
             "cache_remote": v.check_remote(self.cache_remote),
+            "cache_remote_leases": v.check_remote_leases(self.cache_remote_leases, self.cache_remote),
             "inductor_config": v.check_inductor_config(self.inductor_config),
             "passes": v.check_passes(self.passes),
             # The environment switch is an operator's kill switch: it wins over the config.

@@ -24,6 +24,10 @@ NAMES = (
     "cudagraphs_captured",
     "sizes_learnt",  # static sizes compiled because the traffic had them (compile_sizes="auto")
     "sizes_retired",  # learnt sizes taken out for hotter ones
+    # The remote tier: requests made to its store, and the blob bytes moved each way.
+    "remote_requests",
+    "remote_bytes_read",
+    "remote_bytes_written",
     # Fallbacks (report.Fallback): a piece artifact the index vouched for but that could not serve
     # (damaged, untrusted) was obtained again; a whole-model artifact was found but not used.
     "artifact_fallbacks",

@@ -120,7 +120,7 @@ class GraphCompiler:
         # compile while Dynamo traces other frames of this process.
         config = self._config_for(gm, example_inputs).replace(background_compile=False)
         root = None if config.disable_cache else cache_root(config.cache_dir)
-        remote = remote_tier(config.cache_remote) if root is not None else None
+        remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
         with torch.no_grad():  # nothing requires grad: the graph is an inference graph
             backend = PiecewiseBackend.from_trace(
                 gm, example_inputs, config, make_compiler(config.backend), root, self.prefix, remote=remote

@@ -246,12 +246,39 @@ def check_cache_dir(value: Any, field: str = "cache_dir") -> str | None:
     return os.fspath(value)
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "file://")
+
+
 def check_remote(value: Any) -> str | None:
-    """A Redis URL (``redis://host:port/db``, ``rediss://``, ``unix://``) or None."""
+    """A Redis URL (``redis://host:port/db``, ``rediss://``, ``unix://``), an object store's
+    (``s3://bucket/prefix``, ``gs://bucket/prefix``, ``file:///shared/dir``), or None."""
     if value is None:
         return None
-    if not isinstance(value, str) or not value.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"cache_remote={value!r} must be a Redis URL such as 'redis://127.0.0.1:6379/0'")
+    if not isinstance(value, str) or not value.startswith(REDIS_SCHEMES + OBJECT_STORE_SCHEMES):
+        raise ConfigError(
+            f"cache_remote={value!r} must be a Redis URL such as 'redis://127.0.0.1:6379/0' or an object "
+            "store's such as 's3://bucket/prefix', 'gs://bucket/prefix' or 'file:///shared/dir'"
+        )
+    scheme, rest = value.split("://", 1)
+    if value.startswith(OBJECT_STORE_SCHEMES) and not (
+        rest.startswith("/") if scheme == "file" else rest.strip("/")
+    ):
+        raise ConfigError(f"cache_remote={value!r} names no bucket (or, for file://, no absolute path)")
+    return value
+
+
+def check_remote_leases(value: Any, remote: str | None) -> str | None:
+    """A Redis URL for the leases of an object-store tier, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith(REDIS_SCHEMES):
+        raise ConfigError(f"cache_remote_leases={value!r} must be a Redis URL such as 'redis://host:6379/0'")
+    if remote is None or not remote.startswith(OBJECT_STORE_SCHEMES):
+        raise ConfigError(
+            "cache_remote_leases holds the leases of an object-store tier: set cache_remote to an "
+            f"s3://, gs:// or file:// URL (it is {remote!r}), or drop cache_remote_leases"
+        )
     return value
 
 

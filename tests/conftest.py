@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import tessera
 from tessera import _compat
+from tests.fleet import RedisServer, S3Server
 
 # silly::attention: a stand-in splitting op with a real and a fake implementation.
 if not hasattr(torch.ops.silly, "attention"):
@@ -75,3 +77,26 @@ def silly_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = y * 2 + 1
     y = torch.ops.silly.attention(y, y, y)
     return y.sum(-1, keepdim=True) + y
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own on a loopback port."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_server(tmp_path, monkeypatch) -> Iterator[S3Server]:
+    """An S3 server of the test's own on a loopback port, with one empty bucket; this process and
+    the replicas it starts reach it through the AWS_* variables."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)  # the machine's own, which would win over ours
+    server = S3Server(tmp_path)
+    server.start()
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    yield server
+    server.stop()

@@ -9,16 +9,13 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,126 +29,11 @@ from tessera.cache.index import parse
 from tessera.cache.remote import RemoteTier
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
+from tests.fleet import ROOT, Stderr, free_port, member, release_together, results_in, until, wait_all
 
 pytestmark = pytest.mark.slow  # fleets of processes and a real Redis: not in make test-fast
 
-ROOT = Path(__file__).resolve().parents[1]
 redis = pytest.importorskip("redis", reason="the redis client is a dev dependency (make test installs it)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RedisServer:
-    def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server is installed by make test (apt-get install redis-server)"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            cwd=self.workdir,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def pause(self) -> None:
-        """Stop answering (SIGSTOP): connections are accepted, commands hang."""
-        assert self.proc is not None, "redis-server is not running"
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused server takes SIGTERM only once resumed
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-            self.proc = None
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-
-@pytest.fixture
-def redis_server(tmp_path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
-
-
-def _member(out: Path, root: Path, remote: str | None, *args: str, **env: str) -> subprocess.Popen[str]:
-    environment = dict(os.environ, TESSERA_CACHE_DIR=str(root), PYTHONPATH=str(ROOT))
-    environment.pop("TESSERA_CACHE_REMOTE", None)
-    if remote:
-        environment["TESSERA_CACHE_REMOTE"] = remote
-    environment.update(env)
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.run_fleet_member", str(out), *args],
-        cwd=ROOT,
-        env=environment,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-
-
-def _wait_all(procs: list[subprocess.Popen[str]], timeout: float = 900) -> None:
-    for proc in procs:
-        _, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-3000:]
-
-
-def _until(done, procs: list[subprocess.Popen[str]], what: str, timeout: float = 300) -> None:
-    """Poll ``done()`` until it holds; fail naming ``what`` if a replica exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        assert all(p.poll() is None for p in procs), f"a replica exited before {what}"
-        time.sleep(0.02)
-
-
-def _release_together(barrier: Path, procs: list[subprocess.Popen[str]]) -> None:
-    """Once every replica has started, let them all go at once (so they race for real)."""
-    _until(lambda: len(list(barrier.glob("ready.*"))) == len(procs), procs, "the replicas started")
-    (barrier / "go").touch()
-
-
-class _Stderr:
-    """A replica's stderr, read as it comes (a thread each), so a test can act on its log."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-        self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stderr or ()), daemon=True)
-        self.thread.start()
-
-    def count(self, text: str) -> int:
-        return sum(text in line for line in list(self.lines))
-
-    def finish(self, timeout: float = 300) -> str:
-        assert self.proc.wait(timeout=timeout) == 0, "".join(self.lines)[-3000:]
-        self.thread.join(timeout=30)
-        return "".join(self.lines)
 
 
 # -- eight replicas, one Redis --------------------------------------------------------------------
@@ -161,11 +43,11 @@ def test_eight_replicas_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path
     out.mkdir()
     barrier.mkdir()
     procs = [
-        _member(out, tmp_path / f"local{i}", redis_server.url, "--barrier", str(barrier)) for i in range(8)
+        member(out, tmp_path / f"local{i}", redis_server.url, "--barrier", str(barrier)) for i in range(8)
     ]
-    _release_together(barrier, procs)
-    _wait_all(procs)
-    results = _results(out)
+    release_together(barrier, procs)
+    wait_all(procs)
+    results = results_in(out)
     assert len(results) == 8 and all(r["matched"] for r in results)
     # Three distinct pieces (first, middle, last): compiled once across all eight replicas.
     assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
@@ -173,8 +55,8 @@ def test_eight_replicas_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path
     )
     ninth_out = tmp_path / "ninth"
     ninth_out.mkdir()
-    _wait_all([_member(ninth_out, tmp_path / "local9", redis_server.url)])
-    (ninth,) = _results(ninth_out)
+    wait_all([member(ninth_out, tmp_path / "local9", redis_server.url)])
+    (ninth,) = results_in(ninth_out)
     assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
     assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
 
@@ -206,14 +88,12 @@ def test_a_manifest_that_lacks_a_piece_still_has_it_compiled_once(tmp_path, redi
     out.mkdir()
     barrier.mkdir()
     procs = [
-        _member(
-            out, tmp_path / f"local{i}", redis_server.url, "--backend", "eager", "--barrier", str(barrier)
-        )
+        member(out, tmp_path / f"local{i}", redis_server.url, "--backend", "eager", "--barrier", str(barrier))
         for i in range(REPLICAS)
     ]
-    _release_together(barrier, procs)
-    _wait_all(procs, timeout=300)
-    results = _results(out)
+    release_together(barrier, procs)
+    wait_all(procs, timeout=300)
+    results = results_in(out)
     assert len(results) == REPLICAS and all(r["matched"] for r in results)
     compiles = sorted(r["counters"]["eager_compiles"] for r in results)
     assert compiles == [0] * (REPLICAS - 1) + [1], compiles  # the missing piece, once; the others loaded
@@ -226,7 +106,7 @@ def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_se
     out.mkdir()
     env = {"TESSERA_REMOTE_LEASE_SECONDS": "3"}
     # An empty Inductor cache: the first compiles for real, long enough to be killed midway.
-    first = _member(
+    first = member(
         out,
         tmp_path / "a",
         redis_server.url,
@@ -240,7 +120,7 @@ def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_se
     while not list(client.scan_iter("tessera:v1:lease:*")):  # the first replica is compiling
         assert time.monotonic() < deadline and first.poll() is None, "no lease was ever taken"
         time.sleep(0.02)
-    second = _member(
+    second = member(
         out,
         tmp_path / "b",
         redis_server.url,
@@ -262,7 +142,7 @@ def test_a_compiler_killed_midway_leaves_the_others_to_finish(tmp_path, redis_se
     started = time.monotonic()
     assert second.wait(timeout=600) == 0, "".join(lines)[-3000:]
     reader.join(timeout=30)
-    (result,) = _results(out)
+    (result,) = results_in(out)
     assert result["matched"] and result["counters"]["inductor_compiles"] > 0  # then took over
     assert time.monotonic() - started < 300
 
@@ -357,7 +237,7 @@ def test_redis_faults_cost_one_warning_and_never_a_wrong_result(tmp_path, redis_
     started = time.monotonic()
     _compile_and_check(tmp_path / "alone", None)  # the same work without a store, for the bound
     alone = time.monotonic() - started
-    url = redis_server.url if fault != "unreachable" else f"redis://127.0.0.1:{_free_port()}/0"
+    url = redis_server.url if fault != "unreachable" else f"redis://127.0.0.1:{free_port()}/0"
     if fault != "unreachable":
         _compile_and_check(tmp_path / "one", url)
     if fault == "stopped":
@@ -457,13 +337,13 @@ def test_redis_stopped_then_restarted_mid_fleet(tmp_path, redis_server):
     out.mkdir()
     gate.mkdir()
     procs = [
-        _member(
+        member(
             out, tmp_path / f"local{i}", redis_server.url, "--backend", "eager", "--hold", str(gate), **env
         )
         for i in range(4)
     ]
-    logs = [_Stderr(p) for p in procs]
-    _until(
+    logs = [Stderr(p) for p in procs]
+    until(
         lambda: (
             (gate / "holder").exists()
             and sum(log.count("another process is compiling") > 0 for log in logs) == 3
@@ -473,13 +353,13 @@ def test_redis_stopped_then_restarted_mid_fleet(tmp_path, redis_server):
     )
     redis_server.stop()
     stopped = time.time()
-    _until(lambda: sum(log.count("CacheWarning") for log in logs) == 3, procs, "each waiter saw Redis fail")
+    until(lambda: sum(log.count("CacheWarning") for log in logs) == 3, procs, "each waiter saw Redis fail")
     redis_server.start()
-    _until(lambda: len(list(out.glob("*.json"))) == 3, procs, "the waiters finished without the holder")
+    until(lambda: len(list(out.glob("*.json"))) == 3, procs, "the waiters finished without the holder")
     released = time.time()
     (gate / "release").touch()
     texts = [log.finish() for log in logs]
-    results = _results(out)
+    results = results_in(out)
     assert len(results) == 4 and all(r["matched"] for r in results)
     warned = [text.count("CacheWarning:") for text in texts]
     assert warned == [1, 1, 1, 1], "\n----\n".join(t[-2000:] for t in texts)
@@ -517,7 +397,7 @@ def _torchrun(tmp_path: Path, out: Path, *args: str) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     env = dict(os.environ, TESSERA_CACHE_DIR=str(tmp_path / "shared-root"), PYTHONPATH=str(ROOT))
     env.pop("TESSERA_CACHE_REMOTE", None)
-    cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(_free_port())]
+    cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port())]
     cmd += ["-m", "tests.run_fleet_member", str(out), "--distributed", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -528,7 +408,7 @@ def test_four_ranks_with_identical_graphs_compile_once(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _torchrun(tmp_path, out)
-    results = _results(out)
+    results = results_in(out)
     assert len(results) == 4 and all(r["matched"] for r in results)
     assert sum(r["counters"]["inductor_compiles"] for r in results) == 3  # one rank's compiles
 
@@ -537,7 +417,7 @@ def test_four_ranks_with_different_graphs_still_work(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     _torchrun(tmp_path, out, "--backend", "eager", "--rank-width")
-    results = _results(out)
+    results = results_in(out)
     assert len(results) == 4 and all(r["matched"] for r in results)
     assert all(r["counters"]["graphs_traced"] == 1 for r in results)
 

@@ -1,5 +1,6 @@
-"""The store behind the remote tier (Redis), and how its faults are met: each failing call tried
-again after a pause, within one budget of ``TESSERA_REMOTE_TIMEOUT_SECONDS``, warned once.
+"""The stores behind the remote tier (Redis here, an object store in objectstore.py), and how
+their faults are met: each failing call tried again after a pause, within one budget of
+``TESSERA_REMOTE_TIMEOUT_SECONDS``, warned once.
 """
 
 from __future__ import annotations
@@ -20,12 +21,32 @@ _MAX_RETRIES = 64
 _REPORTED: set[str] = set()  # stores whose fault this process has warned about: one warning each
 
 
+class Retrying(Protocol):
+    """How a store's client tries a call again (redis-py's ``Retry`` has this shape)."""
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[[Exception], None]) -> Any: ...
+
+
 class BlobStore(Protocol):
-    """The few operations the remote tier needs from a store."""
+    """The few operations the remote tier needs from a store. ``put_if_absent``, ``renew`` and
+    ``delete_if`` hold leases: a value with an expiry, which only its owner extends or drops."""
+
+    # What the store raises when it cannot be reached or answer, and the part of that which may
+    # pass (worth another attempt).
+    errors: tuple[type[BaseException], ...]
+    transient: tuple[type[Exception], ...]
+
+    def retrying(self, pause_cap: float) -> Retrying:
+        """The attempts of one call, pauses at most ``pause_cap`` seconds."""
+        ...
 
     def get(self, key: str) -> bytes | None: ...
 
     def put(self, key: str, value: bytes) -> None: ...
+
+    def add(self, key: str, value: bytes) -> None:
+        """Write ``value`` unless ``key`` exists (a blob, named by its content: never replaced)."""
+        ...
 
     def exists(self, key: str) -> bool: ...
 
@@ -55,6 +76,16 @@ class RedisStore:
         self._url = url
         self._timeout = timeout
         self._client = self._connect(timeout)
+        self.errors = store_errors()
+        self.transient = transient_errors()
+
+    def retrying(self, pause_cap: float) -> Retrying:
+        from redis.backoff import EqualJitterBackoff
+        from redis.retry import Retry
+
+        backoff = EqualJitterBackoff(cap=pause_cap, base=0.05)
+        retry: Retrying = Retry(backoff, _MAX_RETRIES, supported_errors=self.transient)
+        return retry
 
     def _connect(self, timeout: float) -> Any:
         import redis
@@ -74,6 +105,9 @@ class RedisStore:
 
     def put(self, key: str, value: bytes) -> None:
         self._client.set(key, value)
+
+    def add(self, key: str, value: bytes) -> None:
+        self._client.set(key, value, nx=True)
 
     def exists(self, key: str) -> bool:
         return bool(self._client.exists(key))
@@ -95,7 +129,7 @@ class RedisStore:
 
 
 def store_errors() -> tuple[type[BaseException], ...]:
-    """What a store raises when it cannot be reached or answer (redis: RedisError, OSError)."""
+    """What Redis raises when it cannot be reached or answer (RedisError, OSError)."""
     try:
         import redis
 
@@ -105,8 +139,8 @@ def store_errors() -> tuple[type[BaseException], ...]:
 
 
 def transient_errors() -> tuple[type[Exception], ...]:
-    """The faults that may pass, worth another attempt: refused, reset, timed out, still loading
-    after a restart (redis: ConnectionError, BusyLoadingError, TimeoutError)."""
+    """Redis's faults that may pass, worth another attempt: refused, reset, timed out, still
+    loading after a restart (ConnectionError, BusyLoadingError, TimeoutError)."""
     try:
         import redis
 
@@ -140,25 +174,19 @@ class FaultBudget:
 
     The time every failed attempt and every pause took is spent from one budget, so a store that
     is down, hanging or restarting delays a first output by at most ``seconds``, however many
-    calls fail. redis-py's ``Retry`` runs the attempts with its equal-jitter exponential backoff;
-    this class ends them when what is left could not pay for another pause, and shortens the
-    store's timeouts so that no attempt outlives the budget.
+    calls fail. The store's client runs the attempts (redis-py's ``Retry`` with its equal-jitter
+    exponential backoff; obstore's own retries inside each call); this class ends them when what
+    is left could not pay for another pause, and shortens the store's timeouts so that no attempt
+    outlives the budget.
     """
 
     def __init__(self, store_name: str, seconds: float, store: BlobStore) -> None:
-        try:
-            from redis.backoff import EqualJitterBackoff
-            from redis.retry import Retry
-        except ImportError as e:
-            raise ConfigError("cache_remote needs the redis client: pip install 'tessera[remote]'") from e
-
         self.store_name = store_name
         self.seconds = seconds
         self.spent = 0.0
         self._store = store
         self._pause_cap = min(0.5, seconds / 4)  # restarts take about that: retry soon after
-        backoff = EqualJitterBackoff(cap=self._pause_cap, base=0.05)
-        self._retry = Retry(backoff, _MAX_RETRIES, supported_errors=transient_errors())
+        self._retry = store.retrying(self._pause_cap)
 
     def left(self) -> float:
         return max(0.0, self.seconds - self.spent)

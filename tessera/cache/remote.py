@@ -1,4 +1,5 @@
-"""The remote tier: a store shared by a fleet (Redis), behind each process's local cache.
+"""The remote tier: a store shared by a fleet (Redis, or an object store: objectstore.py), behind
+each process's local cache.
 
 On a local miss an entry is fetched (manifest, then every file by sha256, each checked) into the
 local cache; after a compile, the lease holder publishes what was made, once. Files are stored by
@@ -30,10 +31,12 @@ from typing import Any
 
 import filelock
 
+from tessera import counters
 from tessera.cache import trust
-from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, store_errors, warn_fault
+from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, warn_fault
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
+from tessera.cache.objectstore import SCHEMES, LeasesApart, ObjectStore
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class RemoteTier:
         # Entries the store holds as this process has them (it published or fetched them), and
         # the last manifest merged for each with the pieces it left the entry with.
         self._in_store: set[tuple[str, str]] = set()
+        self._altered: set[str] = set()  # blobs found in the store not matching their names
         self._merged: dict[tuple[str, str], tuple[bytes, frozenset[IndexKey]]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -71,9 +75,10 @@ class RemoteTier:
         good (then the tier is off: the local cache carries on alone)."""
         if self.broken:
             return None
+        counters.bump("remote_requests")
         try:
             return self.faults.call(what, op, *args)
-        except store_errors() as e:
+        except self.store.errors as e:
             self.broken = True
             warn_fault(self.name, f"{what} failed ({type(e).__name__}: {e})", "using the local cache only")
             log.info("%s: off after %.1fs lost to its faults; local cache only", self.name, self.faults.spent)
@@ -145,7 +150,8 @@ class RemoteTier:
     def _upload(self, entry: Path, name: str, sha: str) -> bool:
         """The file as a blob named by its sha256 (unless the store has it); False if it changed."""
         blob = f"{NAMESPACE}blob:{sha}"
-        if self._call("checking a blob", self.store.exists, blob):
+        altered = sha in self._altered
+        if not altered and self._call("checking a blob", self.store.exists, blob):
             return True
         try:
             data = (entry / name).read_bytes()
@@ -153,7 +159,12 @@ class RemoteTier:
             return False
         if hashlib.sha256(data).hexdigest() != sha:
             return False  # changed under us: never publish what the index does not vouch for
-        self._call("uploading a blob", self.store.put, blob, data)
+        # Written only where absent: a blob is never replaced, except one this process found
+        # altered (its bytes do not hash to its name), which these bytes, that do, repair.
+        self._call("uploading a blob", self.store.put if altered else self.store.add, blob, data)
+        if not self.broken:
+            counters.bump("remote_bytes_written", len(data))
+            self._altered.discard(sha)
         return True
 
     def fetch(
@@ -199,15 +210,29 @@ class RemoteTier:
             index.model = model
             files = {**files, MODEL: model.sha256}
         fetched: dict[str, bytes] = {}
+        altered = []
         for name, sha in files.items():
             path = entry / name
             if path.exists() and sha256_file(path) == sha:
                 continue
             data = self._call("fetching a blob", self.store.get, f"{NAMESPACE}blob:{sha}")
-            if data is None or hashlib.sha256(data).hexdigest() != sha:
+            if data is None:
                 log.info("remote entry %s/%s is incomplete (%s): compiling", key[:10], prefix, name)
-                return False  # evicted, or not what the signed manifest vouches for
-            fetched[name] = data
+                return False  # evicted, or its upload never finished
+            counters.bump("remote_bytes_read", len(data))
+            if hashlib.sha256(data).hexdigest() != sha:
+                altered.append(name)
+                self._altered.add(sha)  # this process's next publish puts the right bytes back
+            else:
+                fetched[name] = data
+        if altered:
+            trust.warn_once(
+                Path(self.name),
+                f"entry {key[:10]}/{prefix}: {', '.join(altered)} do(es) not match the sha256 the manifest "
+                "names (altered in the store)",
+                "not using the entry; compiling instead",
+            )
+            return False
         try:
             # Under the entry's own lock, as every index update is; what the local index already
             # vouches for wins, and its files are left as they are.
@@ -348,7 +373,7 @@ class RemoteTier:
                     trouble.append("its lease vanished while it compiled, and another process took it")
                     return
                 trouble.append("its lease vanished while it compiled (taken again)")
-            except store_errors() as e:
+            except self.store.errors as e:
                 trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
 
 
@@ -413,8 +438,15 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
     remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
 
 
-def remote_tier(url: str | None) -> RemoteTier | None:
-    """The remote tier a config names (``cache_remote`` / ``TESSERA_CACHE_REMOTE``), or None."""
+def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None:
+    """The remote tier a config names (``cache_remote`` / ``TESSERA_CACHE_REMOTE``), or None; with
+    ``leases`` (``cache_remote_leases``, a Redis URL), an object store's leases are held there."""
     if not url:
         return None
-    return RemoteTier(url)
+    if not url.startswith(SCHEMES):
+        return RemoteTier(url)
+    timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
+    store: BlobStore = ObjectStore(url, timeout)
+    if leases:
+        store = LeasesApart(store, RedisStore(leases, timeout))
+    return RemoteTier(url, store)

@@ -1,0 +1,262 @@
+"""The remote tier's store in an object store: S3 or anything that speaks S3 (``s3://bucket/prefix``),
+Google Cloud Storage (``gs://``) or a directory every replica mounts (``file://``), through obstore
+(``pip install 'tessera[objectstore]'``).
+
+Blobs are named by their sha256 and written only when absent (``If-None-Match: *``), so one is
+never overwritten; a PUT is atomic (S3 and GCS show an object whole or not at all; obstore writes
+a file under a temporary name and renames it), and the manifest that names a blob is written after
+it. Leases need no other service: a lease is an object taken by a conditional create, extended and
+given back by a conditional write on the version read (``If-Match``), so two replicas never both
+hold one. It expires when its holder stops extending it: a lease older than its time by the store's
+own clock (the age of a probe object the replica writes), or unchanged for that long since this
+replica first saw it, is taken over by a conditional write. No replica's clock is trusted.
+
+Endpoint and credentials come from the environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_REGION``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...) as obstore reads them; with no AWS key in
+the environment and boto3 installed, from boto3's usual sources (``~/.aws/credentials`` and
+``config``, SSO, instance roles). Never from tessera's own files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import filelock
+
+from tessera.errors import ConfigError
+
+SCHEMES = ("s3://", "gs://", "file://")
+RELEASED = b"-"  # a lease given back: free for the next taker
+_MAX_RETRIES = 64  # a safety net: the retry timeout (the fault budget) ends the attempts
+
+
+def _seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+class _Once:
+    """One attempt per call at this level: obstore tries again inside each call, within the time
+    ``ObjectStore.limit`` gives it."""
+
+    def call_with_retry(self, do: Any, fail: Any) -> Any:
+        return do()
+
+
+class ObjectStore:
+    """``BlobStore`` on an object store. Keys ``tessera:v1:blob:<sha>`` are paths
+    ``tessera/v1/blob/<sha>`` under the URL's prefix."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        try:
+            import obstore
+            from obstore import exceptions
+        except ImportError as e:
+            scheme = url.split("://", maxsplit=1)[0]
+            raise ConfigError(
+                f"cache_remote={scheme}://... needs obstore: pip install 'tessera[objectstore]'"
+            ) from e
+        self._ob = obstore
+        self._exists_error = exceptions.AlreadyExistsError
+        self._stale_error = exceptions.PreconditionError
+        self.errors: tuple[type[BaseException], ...] = (exceptions.BaseError, OSError, TimeoutError)
+        self.transient: tuple[type[Exception], ...] = ()  # retried inside obstore
+        self._url = url
+        self._scheme = url.split("://", 1)[0]
+        self._timeout = timeout
+        self._local = Path(urlsplit(url).path) if self._scheme == "file" else None
+        self._store = self._connect(timeout)
+        self._nonce = uuid.uuid4().hex
+        self._renewals = 0
+        # A lease seen by this replica: its version, and when (monotonic) it would have been new.
+        self._seen: dict[str, tuple[str, float]] = {}
+
+    def _connect(self, timeout: float) -> Any:
+        from obstore.store import LocalStore, from_url
+
+        if self._local is not None:
+            return LocalStore(self._local, mkdir=True)
+        client: dict[str, Any] = {"timeout": _seconds(timeout), "connect_timeout": _seconds(timeout)}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+        if self._scheme == "s3" and endpoint.startswith("http://"):
+            client["allow_http"] = True  # an endpoint named with http:// (a store on the LAN, a test)
+        retry = {
+            "max_retries": _MAX_RETRIES,
+            "retry_timeout": _seconds(timeout),
+            "backoff": {
+                "init_backoff": _seconds(0.05),
+                "max_backoff": _seconds(min(0.5, timeout / 4)),
+                "base": 2,
+            },
+        }
+        options: dict[str, Any] = {"client_options": client, "retry_config": retry}
+        credentials = _boto3_credentials() if self._scheme == "s3" else None
+        if credentials is not None:
+            options["credential_provider"] = credentials
+        return from_url(self._url, **options)
+
+    @staticmethod
+    def _path(key: str) -> str:
+        return key.replace(":", "/")
+
+    # -- what FaultBudget needs --------------------------------------------------------------------
+    def retrying(self, pause_cap: float) -> _Once:
+        return _Once()
+
+    def limit(self, seconds: float) -> None:
+        if seconds < self._timeout and self._local is None:
+            self._timeout = seconds
+            self._store = self._connect(seconds)
+
+    # -- blobs, manifests, pointers ----------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        try:
+            return bytes(self._ob.get(self._store, self._path(key)).bytes())
+        except FileNotFoundError:  # obstore's NotFoundError
+            return None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._ob.put(self._store, self._path(key), value, use_multipart=False)
+
+    def add(self, key: str, value: bytes) -> None:
+        """Write ``value`` unless the key exists (then the object there is left as it is)."""
+        with contextlib.suppress(self._exists_error):
+            self._ob.put(self._store, self._path(key), value, mode="create", use_multipart=False)
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._ob.head(self._store, self._path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    # -- leases ------------------------------------------------------------------------------------
+    def _token(self, value: bytes) -> bytes:
+        # A new body at each renewal: its version changes, which tells waiters the holder lives.
+        self._renewals += 1
+        return value + b" " + f"{self._nonce}.{self._renewals}".encode()
+
+    def _read(self, path: str) -> tuple[bytes, dict[str, Any]] | None:
+        try:
+            found = self._ob.get(self._store, path)
+        except FileNotFoundError:
+            return None
+        return bytes(found.bytes()), dict(found.meta)
+
+    def _create(self, path: str, body: bytes) -> bool:
+        try:
+            self._ob.put(self._store, path, body, mode="create", use_multipart=False)
+            return True
+        except self._exists_error:
+            return False
+
+    def _replace(self, path: str, meta: dict[str, Any], body: bytes) -> bool:
+        """Write ``body`` if the object is still the version ``meta`` describes."""
+        if self._local is None:
+            version: Any = {"e_tag": meta["e_tag"]}  # obstore's UpdateVersion
+            if meta.get("version") is not None:
+                version["version"] = meta["version"]  # GCS matches on the generation
+            try:
+                self._ob.put(self._store, path, body, mode=version, use_multipart=False)
+                return True
+            except (self._stale_error, self._exists_error, FileNotFoundError):
+                return False
+        # obstore's local store has no conditional overwrite: the same check and write, under a
+        # lock beside the object that every replica on the mount takes.
+        with filelock.FileLock(str(self._local / f"{path}.lock"), timeout=self._timeout):
+            now = self._read(path)
+            if now is None or now[1].get("e_tag") != meta.get("e_tag"):
+                return False
+            self._ob.put(self._store, path, body, use_multipart=False)
+            return True
+
+    def _age(self, meta: dict[str, Any]) -> float:
+        """Seconds since the object ``meta`` describes was written, by the store's clock: the age
+        it has when a probe object written now is the store's "now"."""
+        probe = f"tessera/v1/clock/{self._nonce}"
+        self._ob.put(self._store, probe, b"", use_multipart=False)
+        now = self._ob.head(self._store, probe)["last_modified"]
+        return max(0.0, float((now - meta["last_modified"]).total_seconds()))
+
+    def _expired(self, path: str, meta: dict[str, Any], ttl: float) -> bool:
+        version = str(meta.get("e_tag"))
+        seen = self._seen.get(path)
+        clock = time.monotonic()
+        if seen is None or seen[0] != version:
+            # New to us: by the store's clock the first time, alive (just renewed) after that.
+            age = self._age(meta) if seen is None else 0.0
+            self._seen[path] = (version, clock - age)
+            return age > ttl
+        return clock - seen[1] > ttl
+
+    def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        path = self._path(key)
+        if self._create(path, self._token(value)):
+            return True
+        found = self._read(path)
+        if found is None:  # given back and removed meanwhile
+            return self._create(path, self._token(value))
+        body, meta = found
+        if body != RELEASED and not self._expired(path, meta, ttl_seconds):
+            return False
+        return self._replace(path, meta, self._token(value))
+
+    def _owned(self, path: str, value: bytes) -> tuple[bytes, dict[str, Any]] | None:
+        found = self._read(path)
+        if found is None or found[0].split(b" ", 1)[0] != value:
+            return None
+        return found
+
+    def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        path = self._path(key)
+        found = self._owned(path, value)
+        return found is not None and self._replace(path, found[1], self._token(value))
+
+    def delete_if(self, key: str, value: bytes) -> bool:
+        # Given back by a conditional write, not a delete (S3 has no conditional delete on every
+        # store): a taker's conditional write then succeeds at once.
+        path = self._path(key)
+        found = self._owned(path, value)
+        return found is not None and self._replace(path, found[1], RELEASED)
+
+
+def _boto3_credentials() -> Any:
+    """With no AWS key in the environment, boto3's credential chain (config and credentials
+    files, SSO, instance roles) when boto3 is installed; else None (obstore's own chain)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:  # no boto3 (or Python 3.10, where obstore's provider cannot load)
+        return None
+    session = boto3.Session()
+    if session.get_credentials() is None:
+        return None  # nothing there either: obstore's chain (instance metadata, web identity)
+    return Boto3CredentialProvider(session)
+
+
+class LeasesApart:
+    """``BlobStore`` with blobs, manifests and pointers in one store (an object store) and leases
+    in another (Redis: ``cache_remote_leases``)."""
+
+    def __init__(self, blobs: Any, leases: Any) -> None:
+        self.blobs = blobs
+        self.leases = leases
+        self.errors = (*blobs.errors, *leases.errors)
+        self.transient = leases.transient
+        self.get, self.put, self.add, self.exists = blobs.get, blobs.put, blobs.add, blobs.exists
+        self.put_if_absent, self.renew, self.delete_if = leases.put_if_absent, leases.renew, leases.delete_if
+
+    def retrying(self, pause_cap: float) -> Any:
+        return self.leases.retrying(pause_cap)  # the object store's faults pass through it
+
+    def limit(self, seconds: float) -> None:
+        self.blobs.limit(seconds)
+        self.leases.limit(seconds)
