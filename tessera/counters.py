@@ -24,8 +24,11 @@ NAMES = (
     "cudagraphs_captured",
     "sizes_learnt",  # static sizes compiled because the traffic had them (compile_sizes="auto")
     "sizes_retired",  # learnt sizes taken out for hotter ones
-    # The remote tier: requests made to its store, and the blob bytes moved each way.
+    # The remote tier: requests made to its store (Redis commands, object-store HTTP requests),
+    # those that write (PUTs: an object store bills them at about ten times a GET), and the blob
+    # bytes moved each way.
     "remote_requests",
+    "remote_writes",
     "remote_bytes_read",
     "remote_bytes_written",
     # Fallbacks (report.Fallback): a piece artifact the index vouched for but that could not serve

@@ -299,6 +299,27 @@ def test_leases_in_redis_beside_the_object_store(tmp_path, s3_server, redis_serv
     assert s3_server.keys("tessera/v1/blob/") and s3_server.keys("tessera/v1/entry/")
 
 
+def test_a_fleet_whose_store_is_down_from_the_start(tmp_path, s3_server):
+    """Three replicas, the store stopped before they start: each serves right results, warns once
+    and waits no longer than the timeout for the store."""
+    timeout = 2.0
+    s3_server.stop()
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"TESSERA_REMOTE_TIMEOUT_SECONDS": str(timeout)}
+    procs = [
+        member(out, tmp_path / f"local{i}", s3_server.url, "--backend", "eager", **env) for i in range(3)
+    ]
+    logs = [Stderr(p) for p in procs]
+    texts = [log.finish() for log in logs]
+    results = results_in(out)
+    assert len(results) == 3 and all(r["matched"] for r in results)
+    assert [text.count("CacheWarning:") for text in texts] == [1, 1, 1], texts[0][-2000:]
+    # The first call: a trace, two eager compiles and the store's budget, spent once.
+    assert all(r["call_seconds"] <= timeout + 10 for r in results), [r["call_seconds"] for r in results]
+    assert all(r["counters"]["eager_compiles"] > 0 for r in results)
+
+
 def test_the_store_stopped_then_restarted_mid_compile(tmp_path, s3_server):
     """Three replicas: one holds the lease, compiling; two wait. The store stops and comes back
     empty (its bucket made again, as an operator restoring it would). Every replica serves right

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from tessera import counters
 from tessera.errors import CacheWarning, ConfigError
 
 log = logging.getLogger(__name__)
@@ -99,26 +100,39 @@ class RedisStore:
             self._url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
         )
 
+    @staticmethod
+    def _count(writes: bool) -> None:
+        counters.bump("remote_requests")
+        if writes:
+            counters.bump("remote_writes")
+
     def get(self, key: str) -> bytes | None:
+        self._count(False)
         value = self._client.get(key)
         return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
 
     def put(self, key: str, value: bytes) -> None:
+        self._count(True)
         self._client.set(key, value)
 
     def add(self, key: str, value: bytes) -> None:
+        self._count(True)
         self._client.set(key, value, nx=True)
 
     def exists(self, key: str) -> bool:
+        self._count(False)
         return bool(self._client.exists(key))
 
     def put_if_absent(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        self._count(True)
         return bool(self._client.set(key, value, nx=True, px=int(ttl_seconds * 1000)))
 
     def renew(self, key: str, value: bytes, ttl_seconds: float) -> bool:
+        self._count(True)
         return bool(self._client.eval(self._RENEW, 1, key, value, int(ttl_seconds * 1000)))
 
     def delete_if(self, key: str, value: bytes) -> bool:
+        self._count(True)
         return bool(self._client.eval(self._DELETE, 1, key, value))
 
     def limit(self, seconds: float) -> None:

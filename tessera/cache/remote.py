@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "tessera:v1:"
 FORMAT = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# A waiter's polls of the store: the first after 0.2 s, then 1.5 times longer each, up to 2 s.
+_FIRST_POLL, _LAST_POLL = 0.2, 2.0
 
 
 class RemoteTier:
@@ -75,7 +78,6 @@ class RemoteTier:
         good (then the tier is off: the local cache carries on alone)."""
         if self.broken:
             return None
-        counters.bump("remote_requests")
         try:
             return self.faults.call(what, op, *args)
         except self.store.errors as e:
@@ -307,6 +309,7 @@ class RemoteTier:
         token = self.owner.encode()
         deadline = time.monotonic() + self.wait_seconds
         waiting = False
+        pause = _FIRST_POLL
         while True:
             acquired = self._call(
                 "taking a lease", self.store.put_if_absent, lease_key, token, self.lease_seconds
@@ -337,7 +340,10 @@ class RemoteTier:
                     prefix,
                     self.wait_seconds,
                 )
-            time.sleep(0.2)
+            # Polls spaced out while the wait lasts, and spread: a thousand waiters started at once
+            # would otherwise hit the store (and one lease's key) together, five times a second.
+            time.sleep(pause * random.uniform(0.75, 1.25))
+            pause = min(_LAST_POLL, pause * 1.5)
         if not acquired:
             yield True
             return
