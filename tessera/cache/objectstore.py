@@ -20,6 +20,7 @@ the environment and boto3 installed, from boto3's usual sources (``~/.aws/creden
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import time
 import uuid
@@ -73,7 +74,9 @@ class ObjectStore:
         self._local = Path(urlsplit(url).path) if self._scheme == "file" else None
         self._store = self._connect(timeout)
         self._nonce = uuid.uuid4().hex
-        self._renewals = 0
+        # Each lease body differs from the last (S3's version of an object is its content's MD5:
+        # a renewal that wrote the same bytes would look, to a waiter, like no renewal at all).
+        self._renewals = itertools.count(1)
         # A lease seen by this replica: its version, and when (monotonic) it would have been new.
         self._seen: dict[str, tuple[str, float]] = {}
 
@@ -164,8 +167,7 @@ class ObjectStore:
     # -- leases ------------------------------------------------------------------------------------
     def _token(self, value: bytes) -> bytes:
         # A new body at each renewal: its version changes, which tells waiters the holder lives.
-        self._renewals += 1
-        return value + b" " + f"{self._nonce}.{self._renewals}".encode()
+        return value + b" " + f"{self._nonce}.{next(self._renewals)}".encode()
 
     def _replace(self, path: str, meta: dict[str, Any], body: bytes) -> bool:
         """Write ``body`` if the object is still the version ``meta`` describes."""
@@ -190,7 +192,7 @@ class ObjectStore:
     def _age(self, meta: dict[str, Any]) -> float:
         """Seconds since the object ``meta`` describes was written, by the store's clock: the age
         it has when a probe object written now is the store's "now"."""
-        probe = f"tessera/v1/clock/{self._nonce}"
+        probe = "tessera/v1/clock"  # one object for the fleet: any recent write of it is "now"
         self._write(probe, b"")
         written = self._head(probe)
         if written is None:  # gone at once (a store restarting): no age to be had, not expired

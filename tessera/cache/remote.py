@@ -283,6 +283,18 @@ class RemoteTier:
             body["model"] = {"sha256": model.sha256, "size": model.size}
         self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
 
+    def has_pointer(self, fingerprint: str, relative: str) -> bool:
+        """Whether the store's pointer for ``fingerprint`` names the entry at ``relative`` and a
+        whole-model artifact not found altered."""
+        body = self.fetch_pointer(fingerprint)
+        model = _model_record(body.get("model")) if body is not None else None
+        return (
+            body is not None
+            and body["entry"] == relative
+            and model is not None
+            and (model.sha256 not in self._altered)
+        )
+
     def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
         raw = self._call("fetching a pointer", self.store.get, f"{NAMESPACE}warm:{fingerprint}")
         body = self._unwrap(raw, f"pointer {fingerprint[:12]}")
@@ -441,6 +453,11 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
         return
     relative = entry.path.relative_to(root).as_posix()
     learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
+    if not grown:
+        # Another replica published this fingerprint's pointer (the fleet traced it at once):
+        # one read instead of a pointer and a whole-model artifact from every replica.
+        if not learnt and remote.has_pointer(fingerprint, relative):
+            return
     remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
 
 
