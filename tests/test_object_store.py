@@ -364,3 +364,26 @@ def test_the_store_stopped_then_restarted_mid_compile(tmp_path, s3_server):
     wait_all([member(fourth, tmp_path / "local4", s3_server.url, "--backend", "eager")])
     (result,) = results_in(fourth)
     assert result["matched"] and result["warm_start"] is True and result["counters"]["eager_compiles"] == 0
+
+
+def test_a_lease_holder_killed_midway_leaves_the_lease_to_expire(tmp_path, s3_server):
+    """The holder dies (SIGKILL) holding the lease, before it publishes anything: a waiter takes
+    the lease once it has gone unrenewed for its time, compiles, and serves right results."""
+    lease = 2.0
+    env = {"TESSERA_REMOTE_LEASE_SECONDS": str(lease)}
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    out.mkdir()
+    gate.mkdir()
+    holder = member(out, tmp_path / "a", s3_server.url, "--backend", "eager", "--hold", str(gate), **env)
+    until(lambda: (gate / "holder").exists(), [holder], "the first replica holds the lease")
+    waiter = member(out, tmp_path / "b", s3_server.url, "--backend", "eager", **env)
+    log = Stderr(waiter)
+    until(lambda: log.count("another process is compiling") > 0, [waiter], "the second waits")
+    holder.kill()
+    holder.wait(timeout=30)
+    killed = time.time()
+    log.finish()
+    (result,) = results_in(out)
+    assert result["matched"] and result["counters"]["eager_compiles"] > 0  # it took over
+    # Taken within the lease's time and a few polls, not after TESSERA_REMOTE_WAIT_SECONDS.
+    assert result["first_output_at"] - killed < lease + 10

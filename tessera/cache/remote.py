@@ -453,11 +453,10 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
         return
     relative = entry.path.relative_to(root).as_posix()
     learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
-    if not grown:
-        # Another replica published this fingerprint's pointer (the fleet traced it at once):
-        # one read instead of a pointer and a whole-model artifact from every replica.
-        if not learnt and remote.has_pointer(fingerprint, relative):
-            return
+    # Another replica published this fingerprint's pointer (the fleet traced it at once): one
+    # read instead of a pointer and a whole-model artifact from every replica.
+    if not grown and not learnt and remote.has_pointer(fingerprint, relative):
+        return
     remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
 
 
