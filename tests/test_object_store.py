@@ -200,6 +200,14 @@ def test_the_store_down_from_the_start_costs_one_warning_and_the_timeout(tmp_pat
     assert sum(issubclass(w.category, CacheWarning) for w in caught) == 1
 
 
+def test_a_shared_directory_that_cannot_be_made_is_one_warning_and_the_local_cache(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.warns(CacheWarning, match="opening the store failed"):
+        compiled = _compile_and_check(tmp_path / "local", f"file://{blocker}/shared")
+    assert compiled.warm_start is False and tessera.counters.snapshot()["eager_compiles"] > 0
+
+
 def test_credentials_from_a_credentials_file(tmp_path, s3_server, monkeypatch):
     """No AWS key in the environment: boto3's chain reads the credentials file."""
     pytest.importorskip("boto3", reason="boto3 comes with moto, a dev dependency")
@@ -375,7 +383,7 @@ def test_a_lease_holder_killed_midway_leaves_the_lease_to_expire(tmp_path, s3_se
     out.mkdir()
     gate.mkdir()
     holder = member(out, tmp_path / "a", s3_server.url, "--backend", "eager", "--hold", str(gate), **env)
-    until(lambda: (gate / "holder").exists(), [holder], "the first replica holds the lease")
+    until((gate / "holder").exists, [holder], "the first replica holds the lease")
     waiter = member(out, tmp_path / "b", s3_server.url, "--backend", "eager", **env)
     log = Stderr(waiter)
     until(lambda: log.count("another process is compiling") > 0, [waiter], "the second waits")

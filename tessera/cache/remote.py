@@ -38,6 +38,7 @@ from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display,
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.objectstore import SCHEMES, LeasesApart, ObjectStore
+from tessera.errors import ConfigError
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -468,7 +469,15 @@ def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None
     if not url.startswith(SCHEMES):
         return RemoteTier(url)
     timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
-    store: BlobStore = ObjectStore(url, timeout)
+    try:
+        store: BlobStore = ObjectStore(url, timeout)
+    except ConfigError:
+        raise
+    except Exception as e:  # obstore refused it: a directory it cannot make, a URL it cannot use
+        warn_fault(
+            display(url), f"opening the store failed ({type(e).__name__}: {e})", "using the local cache only"
+        )
+        return None
     if leases:
         store = LeasesApart(store, RedisStore(leases, timeout))
     return RemoteTier(url, store)
