@@ -82,6 +82,33 @@ def test_eight_threads_racing_for_a_lease_one_wins(store_url, state):
     assert stores[0].get(key).split(b" ")[0] == f"r{won[0]}".encode()
 
 
+def test_a_conditional_write_refused_on_its_own_retry_still_holds(store_url, monkeypatch):
+    """obstore retries a dropped connection: a create or renewal that landed the first time is
+    refused the second. The lease is still this replica's, and it says so."""
+    store = ObjectStore(store_url, 5.0)
+    key = f"{NAMESPACE}lease:retried:p"
+    write = ObjectStore._write
+
+    def landed_then_refused(self, path, body, mode=None):
+        write(self, path, body, mode)
+        if path.startswith("tessera/v1/lease/") and mode is not None:  # a conditional write
+            raise (self._stale_error if isinstance(mode, dict) else self._exists_error)("refused on retry")
+
+    monkeypatch.setattr(ObjectStore, "_write", landed_then_refused)
+    assert store.put_if_absent(key, b"one", 30)
+    assert store.renew(key, b"one", 30)
+    assert not ObjectStore(store_url, 5.0).put_if_absent(key, b"two", 30)
+
+
+def test_odd_cache_prefixes_make_distinct_valid_object_names(store_url):
+    store = ObjectStore(store_url, 5.0)
+    prefixes = ["a:b", "a", "..", ".", "x/y", "x:y", "with space", "%41"]
+    for i, prefix in enumerate(prefixes):
+        store.put(f"{NAMESPACE}entry:{'ab' * 8}:{prefix}", str(i).encode())
+    for i, prefix in enumerate(prefixes):
+        assert store.get(f"{NAMESPACE}entry:{'ab' * 8}:{prefix}") == str(i).encode()
+
+
 def test_an_abandoned_lease_expires_by_the_stores_clock(store_url):
     holder, waiter = ObjectStore(store_url, 5.0), ObjectStore(store_url, 5.0)
     key = f"{NAMESPACE}lease:abandoned:p"

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 # A safety net under the budget, which is what ends the attempts (a dozen or so for 5 s).
 _MAX_RETRIES = 64
+NAMESPACE = "tessera:v1:"  # the remote tier's names: tessera:v1:<kind>:<parts>
 _REPORTED: set[str] = set()  # stores whose fault this process has warned about: one warning each
 
 

@@ -20,22 +20,30 @@ the environment and boto3 installed, from boto3's usual sources (``~/.aws/creden
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import os
 import time
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import filelock
 
 from tessera import counters
+from tessera.cache.blobstore import NAMESPACE
 from tessera.errors import ConfigError
 
 SCHEMES = ("s3://", "gs://", "file://")
 RELEASED = b"-"  # a lease given back: free for the next taker
 _MAX_RETRIES = 64  # a safety net: the retry timeout (the fault budget) ends the attempts
+_TRANSFER_SECONDS = 3600.0  # one request whole: a blob of gigabytes on a slow link
+
+
+def _segment(part: str) -> str:
+    quoted = quote(part, safe="")
+    return "%2E" + quoted[1:] if quoted.startswith(".") else quoted
 
 
 def _seconds(value: float) -> datetime.timedelta:
@@ -66,7 +74,13 @@ class ObjectStore:
         self._ob = obstore
         self._exists_error = exceptions.AlreadyExistsError
         self._stale_error = exceptions.PreconditionError
-        self.errors: tuple[type[BaseException], ...] = (exceptions.BaseError, OSError, TimeoutError)
+        # ValueError: a path obstore refuses (none should reach it: see _path).
+        self.errors: tuple[type[BaseException], ...] = (
+            exceptions.BaseError,
+            OSError,
+            TimeoutError,
+            ValueError,
+        )
         self.transient: tuple[type[Exception], ...] = ()  # retried inside obstore
         self._url = url
         self._scheme = url.split("://", 1)[0]
@@ -79,13 +93,20 @@ class ObjectStore:
         self._renewals = itertools.count(1)
         # A lease seen by this replica: its version, and when (monotonic) it would have been new.
         self._seen: dict[str, tuple[str, float]] = {}
+        self._offset: datetime.timedelta | None = None  # the store's clock minus this process's
 
     def _connect(self, timeout: float) -> Any:
         from obstore.store import LocalStore, from_url
 
         if self._local is not None:
             return LocalStore(self._local, mkdir=True)
-        client: dict[str, Any] = {"timeout": _seconds(timeout), "connect_timeout": _seconds(timeout)}
+        # A connect and each read are bounded by the budget, not a whole transfer: a large blob
+        # from a store that answers takes what it takes; one that stops answering is a fault.
+        client: dict[str, Any] = {
+            "connect_timeout": _seconds(timeout),
+            "read_timeout": _seconds(timeout),
+            "timeout": _seconds(_TRANSFER_SECONDS),
+        }
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
         if self._scheme == "s3" and endpoint.startswith("http://"):
             client["allow_http"] = True  # an endpoint named with http:// (a store on the LAN, a test)
@@ -106,7 +127,10 @@ class ObjectStore:
 
     @staticmethod
     def _path(key: str) -> str:
-        return key.replace(":", "/")
+        """``tessera:v1:<kind>:<part>...`` as ``tessera/v1/<kind>/<part>/...``, each part quoted: a
+        cache prefix may hold ``:``, ``/`` or be ``..``, none of which may make a path segment."""
+        kind, *parts = key.removeprefix(NAMESPACE).split(":", 2)  # the last part: all the rest
+        return "/".join(["tessera", "v1", kind, *(_segment(part) for part in parts)])
 
     # -- what FaultBudget needs --------------------------------------------------------------------
     def retrying(self, pause_cap: float) -> _Once:
@@ -134,13 +158,20 @@ class ObjectStore:
         # artifact is far below S3's 5 GB limit for one.
         self._ob.put(self._store, path, body, mode=mode, use_multipart=False)
 
+    def _landed(self, path: str, body: bytes) -> bool:
+        """Whether the object now holds ``body``: a conditional write refused may be the retry of
+        one that landed (obstore retries a dropped connection), and a lease body is never
+        written twice."""
+        found = self._read(path)
+        return found is not None and found[0] == body
+
     def _create(self, path: str, body: bytes) -> bool:
         """Write ``body`` where there is no object yet (``If-None-Match: *``); whether it was."""
         try:
             self._write(path, body, "create")
             return True
         except self._exists_error:
-            return False
+            return self._landed(path, body)
 
     def _head(self, path: str) -> dict[str, Any] | None:
         counters.bump("remote_requests")
@@ -159,7 +190,14 @@ class ObjectStore:
 
     def add(self, key: str, value: bytes) -> None:
         """Write ``value`` unless the key exists (then the object there is left as it is)."""
-        self._create(self._path(key), value)
+        path = self._path(key)
+        try:
+            self._write(path, value, "create")
+        except self._exists_error:
+            # Refused: there, or (S3's 409) another write of it under way, which may never end.
+            # Under its content's name the same bytes again replace nothing.
+            if self._head(path) is None:
+                self._write(path, value)
 
     def exists(self, key: str) -> bool:
         return self._head(self._path(key)) is not None
@@ -179,7 +217,7 @@ class ObjectStore:
                 self._write(path, body, version)
                 return True
             except (self._stale_error, self._exists_error, FileNotFoundError):
-                return False
+                return body != RELEASED and self._landed(path, body)
         # obstore's local store has no conditional overwrite: the same check and write, under a
         # lock beside the object that every replica on the mount takes.
         with filelock.FileLock(str(self._local / f"{path}.lock"), timeout=self._timeout):
@@ -189,16 +227,25 @@ class ObjectStore:
             self._write(path, body)
             return True
 
+    def _store_now(self) -> datetime.datetime | None:
+        """The store's clock now: measured once (a probe object of this process's, written, read
+        and removed), then this process's clock plus the offset found (skew cancels out)."""
+        if self._offset is None:
+            probe = f"tessera/v1/clock/{self._nonce}"
+            before = datetime.datetime.now(datetime.timezone.utc)
+            self._write(probe, b"")
+            written = self._head(probe)
+            if written is None:  # gone at once (a store restarting): no clock to be had
+                return None
+            counters.bump("remote_requests")
+            self._ob.delete(self._store, probe)
+            self._offset = written["last_modified"] - before
+        return datetime.datetime.now(datetime.timezone.utc) + self._offset
+
     def _age(self, meta: dict[str, Any]) -> float:
-        """Seconds since the object ``meta`` describes was written, by the store's clock: the age
-        it has when a probe object written now is the store's "now"."""
-        probe = "tessera/v1/clock"  # one object for the fleet: any recent write of it is "now"
-        self._write(probe, b"")
-        written = self._head(probe)
-        if written is None:  # gone at once (a store restarting): no age to be had, not expired
-            return 0.0
-        now = written["last_modified"]
-        return max(0.0, float((now - meta["last_modified"]).total_seconds()))
+        """Seconds since the object ``meta`` describes was written, by the store's clock."""
+        now = self._store_now()
+        return 0.0 if now is None else max(0.0, float((now - meta["last_modified"]).total_seconds()))
 
     def _expired(self, path: str, meta: dict[str, Any], ttl: float) -> bool:
         version = str(meta.get("e_tag"))
@@ -244,9 +291,19 @@ class ObjectStore:
 
 def _boto3_credentials() -> Any:
     """With no AWS key in the environment, boto3's credential chain (config and credentials
-    files, SSO, instance roles) when boto3 is installed; else None (obstore's own chain)."""
+    files, SSO, instance roles) when boto3 is installed; else None (obstore's own chain). Looked
+    up once per process and environment: with nothing configured, boto3 asks the instance
+    metadata service, which takes a second or two to say no."""
     if os.environ.get("AWS_ACCESS_KEY_ID"):
         return None
+    return _boto3_chain(*(os.environ.get(name) for name in _CREDENTIAL_VARIABLES))
+
+
+_CREDENTIAL_VARIABLES = ("AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ROLE_ARN")
+
+
+@functools.lru_cache(maxsize=8)
+def _boto3_chain(*environment: str | None) -> Any:
     try:
         import boto3
         from obstore.auth.boto3 import Boto3CredentialProvider

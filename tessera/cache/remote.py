@@ -34,7 +34,7 @@ import filelock
 
 from tessera import counters
 from tessera.cache import trust
-from tessera.cache.blobstore import BlobStore, FaultBudget, RedisStore, display, warn_fault
+from tessera.cache.blobstore import NAMESPACE, BlobStore, FaultBudget, RedisStore, display, warn_fault
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.objectstore import SCHEMES, LeasesApart, ObjectStore
@@ -43,7 +43,6 @@ from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "tessera:v1:"
 FORMAT = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # A waiter's polls of the store: the first after 0.2 s, then 1.5 times longer each, up to 2 s.
@@ -71,6 +70,7 @@ class RemoteTier:
         # the last manifest merged for each with the pieces it left the entry with.
         self._in_store: set[tuple[str, str]] = set()
         self._altered: set[str] = set()  # blobs found in the store not matching their names
+        self._first_model: dict[str, str] = {}  # fingerprint -> its whole-model artifact at first
         self._merged: dict[tuple[str, str], tuple[bytes, frozenset[IndexKey]]] = {}
 
     # -- plumbing ----------------------------------------------------------------------------------
@@ -284,16 +284,25 @@ class RemoteTier:
             body["model"] = {"sha256": model.sha256, "size": model.size}
         self._call("publishing a pointer", self.store.put, f"{NAMESPACE}warm:{fingerprint}", self._wrap(body))
 
-    def has_pointer(self, fingerprint: str, relative: str) -> bool:
-        """Whether the store's pointer for ``fingerprint`` names the entry at ``relative`` and a
-        whole-model artifact not found altered."""
+    def has_pointer(self, fingerprint: str, entry: Path, relative: str) -> bool:
+        """Whether the store's pointer for ``fingerprint`` names the entry at ``relative`` with a
+        whole-model artifact as good as the local one: not one found altered, and the local one
+        is still what it was at this process's first trace (a later trace merges its variant in,
+        and the fleet must get that; replicas' artifacts of the same first trace differ only in
+        their bytes)."""
+        try:
+            local = read_index(entry).model
+        except (OSError, ValueError, SyntaxError):
+            return False
+        if local is None or self._first_model.setdefault(fingerprint, local.sha256) != local.sha256:
+            return False
         body = self.fetch_pointer(fingerprint)
         model = _model_record(body.get("model")) if body is not None else None
         return (
             body is not None
             and body["entry"] == relative
             and model is not None
-            and (model.sha256 not in self._altered)
+            and model.sha256 not in self._altered
         )
 
     def fetch_pointer(self, fingerprint: str) -> dict[str, Any] | None:
@@ -361,17 +370,26 @@ class RemoteTier:
             yield True
             return
         stop = threading.Event()
+        turn = threading.Lock()  # a renewal and the release, one at a time
         trouble: list[str] = []  # what befell the lease meanwhile, warned from this thread
-        renewer = threading.Thread(target=self._renew, args=(lease_key, token, stop, trouble), daemon=True)
+        renewer = threading.Thread(
+            target=self._renew, args=(lease_key, token, stop, turn, trouble), daemon=True
+        )
         renewer.start()
         try:
             yield True
         finally:
             # The renewer is not joined: one hanging on a slow store must not delay the first
-            # output, and a late renewal is harmless (it extends only a lease that is still ours).
+            # output past the budget. A renewal under way is waited for (within it), so that it
+            # cannot take back the lease just given back.
             stop.set()
-            if self._call("releasing a lease", self.store.delete_if, lease_key, token) is False:
-                trouble.append("its lease was gone when it was done compiling")
+            waited = turn.acquire(timeout=max(0.1, self.faults.left()))
+            try:
+                if self._call("releasing a lease", self.store.delete_if, lease_key, token) is False:
+                    trouble.append("its lease was gone when it was done compiling")
+            finally:
+                if waited:
+                    turn.release()
             if trouble:
                 warn_fault(
                     self.name,
@@ -380,20 +398,31 @@ class RemoteTier:
                     "compiled the entry too (results are unaffected)",
                 )
 
-    def _renew(self, lease_key: str, token: bytes, stop: threading.Event, trouble: list[str]) -> None:
+    def _renew(
+        self, lease_key: str, token: bytes, stop: threading.Event, turn: threading.Lock, trouble: list[str]
+    ) -> None:
         """Extend the lease while the block runs; one that vanished (a restart, an eviction) is
         taken again if nobody else has. Faults are only noted: this thread neither retries nor
         warns, and the next renewal is the retry."""
         while not stop.wait(self.lease_seconds / 3) and not self.broken:
-            try:
-                if self.store.renew(lease_key, token, self.lease_seconds):
-                    continue
-                if not self.store.put_if_absent(lease_key, token, self.lease_seconds):
-                    trouble.append("its lease vanished while it compiled, and another process took it")
+            with turn:
+                if stop.is_set():  # the block ended while this one waited: the lease is given back
                     return
-                trouble.append("its lease vanished while it compiled (taken again)")
-            except self.store.errors as e:
-                trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
+                if not self._renew_once(lease_key, token, trouble):
+                    return
+
+    def _renew_once(self, lease_key: str, token: bytes, trouble: list[str]) -> bool:
+        """One renewal; whether to go on renewing."""
+        try:
+            if self.store.renew(lease_key, token, self.lease_seconds):
+                return True
+            if not self.store.put_if_absent(lease_key, token, self.lease_seconds):
+                trouble.append("its lease vanished while it compiled, and another process took it")
+                return False
+            trouble.append("its lease vanished while it compiled (taken again)")
+        except self.store.errors as e:
+            trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
+        return True
 
 
 def _file_checksums(index: Index) -> dict[str, str]:
@@ -456,7 +485,7 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
     learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
     # Another replica published this fingerprint's pointer (the fleet traced it at once): one
     # read instead of a pointer and a whole-model artifact from every replica.
-    if not grown and not learnt and remote.has_pointer(fingerprint, relative):
+    if not grown and not learnt and remote.has_pointer(fingerprint, entry.path, relative):
         return
     remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
 
