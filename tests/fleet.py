@@ -123,6 +123,34 @@ def release_together(barrier: Path, procs: list[subprocess.Popen[str]]) -> None:
     (barrier / "go").touch()
 
 
+def race(tmp_path: Path, url: str | None, count: int, *args: str, **env: str) -> list[dict]:
+    """``count`` replicas on ``url``, each with an empty local root, let go together; their
+    results once all have exited."""
+    out, barrier = tmp_path / "out", tmp_path / "barrier"
+    out.mkdir(parents=True)
+    barrier.mkdir()
+    procs = [
+        member(out, tmp_path / f"local{i}", url, "--barrier", str(barrier), *args, **env)
+        for i in range(count)
+    ]
+    release_together(barrier, procs)
+    wait_all(procs)
+    return results_in(out)
+
+
+def eight_then_a_ninth(tmp_path: Path, url: str) -> None:
+    """Eight Inductor replicas on an empty store compile the toy Llama's three distinct pieces
+    (first, middle, last) once in all; a ninth, on an empty local root, compiles and traces nothing."""
+    results = race(tmp_path / "eight", url, 8)
+    assert len(results) == 8 and all(r["matched"] for r in results)
+    assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
+        [r["counters"] for r in results]
+    )
+    (ninth,) = race(tmp_path / "ninth", url, 1)
+    assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
+    assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
+
+
 class Stderr:
     """A replica's stderr, read as it comes (a thread each), so a test can act on its log."""
 

@@ -29,7 +29,16 @@ from tessera.cache.index import parse
 from tessera.cache.remote import RemoteTier
 from tessera.errors import CacheError, CacheWarning
 from tessera.models import toy_llama
-from tests.fleet import ROOT, Stderr, free_port, member, release_together, results_in, until, wait_all
+from tests.fleet import (
+    ROOT,
+    Stderr,
+    eight_then_a_ninth,
+    free_port,
+    member,
+    race,
+    results_in,
+    until,
+)
 
 pytestmark = pytest.mark.slow  # fleets of processes and a real Redis: not in make test-fast
 
@@ -39,26 +48,7 @@ redis = pytest.importorskip("redis", reason="the redis client is a dev dependenc
 # -- eight replicas, one Redis --------------------------------------------------------------------
 @pytest.mark.inductor
 def test_eight_replicas_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path, redis_server):
-    out, barrier = tmp_path / "out", tmp_path / "barrier"
-    out.mkdir()
-    barrier.mkdir()
-    procs = [
-        member(out, tmp_path / f"local{i}", redis_server.url, "--barrier", str(barrier)) for i in range(8)
-    ]
-    release_together(barrier, procs)
-    wait_all(procs)
-    results = results_in(out)
-    assert len(results) == 8 and all(r["matched"] for r in results)
-    # Three distinct pieces (first, middle, last): compiled once across all eight replicas.
-    assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
-        [r["counters"] for r in results]
-    )
-    ninth_out = tmp_path / "ninth"
-    ninth_out.mkdir()
-    wait_all([member(ninth_out, tmp_path / "local9", redis_server.url)])
-    (ninth,) = results_in(ninth_out)
-    assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
-    assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
+    eight_then_a_ninth(tmp_path, redis_server.url)
 
 
 REPLICAS = 4
@@ -84,16 +74,7 @@ def test_a_manifest_that_lacks_a_piece_still_has_it_compiled_once(tmp_path, redi
     body["index"] = index.format()
     record["body"] = json.dumps(body, sort_keys=True)
     client.set(key, json.dumps(record))  # no signing key: the store is trusted as configured
-    out, barrier = tmp_path / "out", tmp_path / "barrier"
-    out.mkdir()
-    barrier.mkdir()
-    procs = [
-        member(out, tmp_path / f"local{i}", redis_server.url, "--backend", "eager", "--barrier", str(barrier))
-        for i in range(REPLICAS)
-    ]
-    release_together(barrier, procs)
-    wait_all(procs, timeout=300)
-    results = results_in(out)
+    results = race(tmp_path / "fleet", redis_server.url, REPLICAS, "--backend", "eager")
     assert len(results) == REPLICAS and all(r["matched"] for r in results)
     compiles = sorted(r["counters"]["eager_compiles"] for r in results)
     assert compiles == [0] * (REPLICAS - 1) + [1], compiles  # the missing piece, once; the others loaded

@@ -22,7 +22,7 @@ from tessera.cache.objectstore import RELEASED, ObjectStore
 from tessera.cache.remote import NAMESPACE, RemoteTier
 from tessera.errors import CacheWarning
 from tessera.models import toy_llama
-from tests.fleet import Stderr, member, release_together, results_in, until, wait_all
+from tests.fleet import Stderr, eight_then_a_ninth, member, race, results_in, until, wait_all
 
 pytestmark = pytest.mark.slow  # a real S3 server and fleets of processes: not in make test-fast
 pytest.importorskip("obstore", reason="obstore is a dev dependency (make test installs it)")
@@ -271,62 +271,18 @@ def test_a_bad_object_store_url_is_a_config_error(fields, message):
 # -- fleets ---------------------------------------------------------------------------------------
 @pytest.mark.inductor
 def test_eight_replicas_on_one_bucket_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path, s3_server):
-    out, barrier = tmp_path / "out", tmp_path / "barrier"
-    out.mkdir()
-    barrier.mkdir()
-    procs = [member(out, tmp_path / f"local{i}", s3_server.url, "--barrier", str(barrier)) for i in range(8)]
-    release_together(barrier, procs)
-    wait_all(procs)
-    results = results_in(out)
-    assert len(results) == 8 and all(r["matched"] for r in results)
-    # Three distinct pieces (first, middle, last) at one size: compiled once across the fleet.
-    assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
-        [r["counters"] for r in results]
-    )
-    ninth_out = tmp_path / "ninth"
-    ninth_out.mkdir()
-    wait_all([member(ninth_out, tmp_path / "local9", s3_server.url)])
-    (ninth,) = results_in(ninth_out)
-    assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
-    assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
+    eight_then_a_ninth(tmp_path, s3_server.url)
 
 
 def test_a_shared_directory_fleet_compiles_once(tmp_path):
-    url = f"file://{tmp_path / 'shared'}"
-    out, barrier = tmp_path / "out", tmp_path / "barrier"
-    out.mkdir()
-    barrier.mkdir()
-    procs = [
-        member(out, tmp_path / f"local{i}", url, "--backend", "eager", "--barrier", str(barrier))
-        for i in range(3)
-    ]
-    release_together(barrier, procs)
-    wait_all(procs)
-    results = results_in(out)
+    results = race(tmp_path, f"file://{tmp_path / 'shared'}", 3, "--backend", "eager")
     assert len(results) == 3 and all(r["matched"] for r in results)
     assert sorted(r["counters"]["eager_compiles"] > 0 for r in results) == [False, False, True]
 
 
 def test_leases_in_redis_beside_the_object_store(tmp_path, s3_server, redis_server):
-    out, barrier = tmp_path / "out", tmp_path / "barrier"
-    out.mkdir()
-    barrier.mkdir()
-    procs = [
-        member(
-            out,
-            tmp_path / f"local{i}",
-            s3_server.url,
-            "--backend",
-            "eager",
-            "--barrier",
-            str(barrier),
-            TESSERA_CACHE_REMOTE_LEASES=redis_server.url,
-        )
-        for i in range(3)
-    ]
-    release_together(barrier, procs)
-    wait_all(procs)
-    results = results_in(out)
+    env = {"TESSERA_CACHE_REMOTE_LEASES": redis_server.url}
+    results = race(tmp_path, s3_server.url, 3, "--backend", "eager", **env)
     assert len(results) == 3 and all(r["matched"] for r in results)
     assert sorted(r["counters"]["eager_compiles"] > 0 for r in results) == [False, False, True]
     assert list(redis_server.client().scan_iter("tessera:v1:lease:*")) == []  # given back

@@ -35,7 +35,6 @@ from tessera import counters
 from tessera.cache.blobstore import NAMESPACE
 from tessera.errors import ConfigError
 
-SCHEMES = ("s3://", "gs://", "file://")
 RELEASED = b"-"  # a lease given back: free for the next taker
 _MAX_RETRIES = 64  # a safety net: the retry timeout (the fault budget) ends the attempts
 _TRANSFER_SECONDS = 3600.0  # one request whole: a blob of gigabytes on a slow link

@@ -37,9 +37,9 @@ from tessera.cache import trust
 from tessera.cache.blobstore import NAMESPACE, BlobStore, FaultBudget, RedisStore, display, warn_fault
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
-from tessera.cache.objectstore import SCHEMES, LeasesApart, ObjectStore
+from tessera.cache.objectstore import LeasesApart, ObjectStore
 from tessera.errors import ConfigError
-from tessera.validation import env_seconds
+from tessera.validation import OBJECT_STORE_SCHEMES, env_seconds
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +495,7 @@ def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None
     ``leases`` (``cache_remote_leases``, a Redis URL), an object store's leases are held there."""
     if not url:
         return None
-    if not url.startswith(SCHEMES):
+    if not url.startswith(OBJECT_STORE_SCHEMES):
         return RemoteTier(url)
     timeout = env_seconds("REMOTE_TIMEOUT_SECONDS", 5.0)
     try:
