@@ -37,6 +37,7 @@ from tessera import _compat, call_check, counters, dynamo_guards, validation, wa
 from tessera.backend import GraphReceiver, PiecewiseBackend
 from tessera.cache.remote import RemoteTier
 from tessera.compile_state import COMPILE_LOCK
+from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
@@ -152,7 +153,6 @@ class Traces:
             return
         saved, refused = warm.load(
             self.config,
-            context.compiler,
             context.root,
             context.prefix,
             context.fingerprint,
@@ -234,7 +234,10 @@ class Traces:
         context, model = self.context, self.model
         receiver = GraphReceiver(
             self.config,
-            context.compiler,
+            # A compiler of its own: a compiler writes into one entry at a time (initialize_cache),
+            # and this trace's compile runs while another trace's background compile writes into
+            # its own entry (one shared compiler sent one's piece files into the other's entry).
+            make_compiler(self.config.backend),
             context.root,
             context.prefix,
             context.remote,

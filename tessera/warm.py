@@ -22,6 +22,7 @@ from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import warn_write_failed
 from tessera.cache.remote import RemoteTier, publish
 from tessera.call_check import CallSpec
+from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,6 @@ class SavedTrace:
 
 def load(
     config: CompileConfig,
-    compiler: Any,
     root: Path,
     prefix: str,
     fingerprint: str,
@@ -66,7 +66,7 @@ def load(
         try:
             backend, calls = PiecewiseBackend.from_entry(
                 config,
-                compiler,
+                make_compiler(config.backend),  # one per entry: a compiler writes into one entry
                 root,
                 prefix,
                 entry_path,
