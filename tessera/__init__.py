@@ -28,6 +28,7 @@ _EXPORTS = {
     "StateMismatchError": "tessera.call_check",
     "TesseraError": "tessera.errors",
     "TesseraWarning": "tessera.errors",
+    "UnsupportedArgumentError": "tessera.errors",
     "UnsupportedModelError": "tessera.errors",
     "UntestedTorchWarning": "tessera.errors",
     "compile": "tessera.api",
@@ -52,6 +53,7 @@ __all__ = [
     "StateMismatchError",
     "TesseraError",
     "TesseraWarning",
+    "UnsupportedArgumentError",
     "UnsupportedModelError",
     "UntestedTorchWarning",
     "compile",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
         SizeNotCompiledError,
         TesseraError,
         TesseraWarning,
+        UnsupportedArgumentError,
         UnsupportedModelError,
         UntestedTorchWarning,
     )

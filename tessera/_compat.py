@@ -140,6 +140,68 @@ def isolate_fx_tracing_flag() -> None:
     module.is_fx_symbolic_tracing.__code__ = is_fx_symbolic_tracing.__code__
 
 
+@functools.cache
+def isolate_fx_patches() -> None:
+    """Make the methods torch.fx patches on classes while it traces act in the tracing thread only.
+
+    Reason: for the length of a trace, ``Tracer.trace`` replaces ``torch.nn.Module.__call__`` and
+    ``__getattr__`` on the class, process-wide, through ``_Patcher.patch_method`` (read on torch
+    2.13 only; ``_Patcher`` dates from pytorch/pytorch#50793, 2021: without it this does nothing).
+    Every compile traces: AOTAutograd's make_fx, and Inductor's ``symbolic_trace`` of a one-line
+    function (``loop_body.InterpreterShim._dummy_gm``, once per process, in the first compile that
+    analyses a loop's index bounds: a static size). A module called meanwhile in another thread
+    (the user's eager model, a piece served as traced while it compiles in the background) entered
+    that trace: the plain ``Tracer`` looks it up under its own root and raises ``NameError: module
+    is not installed as a submodule``; make_fx's tracer runs it through its own bookkeeping. Here
+    each method patched on a class is installed behind a function that calls the tracer's wrapper
+    in the thread that patched and, in any other thread, what the class had before. The tracing
+    thread sees no change, nested traces and Dynamo's revert and reapply of the patches included
+    (``_maybe_revert_all_patches`` reads the process-wide ``CURRENT_PATCHER``: safe because every
+    compile, Dynamo's and tessera's, holds Dynamo's compile lock). Patches of module globals
+    (``torch.fx.wrap``, autowrapped ``math`` functions) stay as they are: their wrappers act on a
+    ``Proxy`` argument only, which another thread never has. Two FX traces in two threads at once
+    stay unsupported (torch undoes patches in its own order). pytorch/pytorch#187589 proposes the
+    same upstream (a thread-local patcher); remove once every supported torch has it.
+    """
+    import torch.fx._symbolic_trace as module  # loaded by ``import torch``
+
+    patcher = getattr(module, "_Patcher", None)
+    original = getattr(patcher, "patch_method", None)
+    if original is None or getattr(original, "_tessera_this_thread_only", False):
+        return
+
+    @functools.wraps(original)
+    def patch_method(
+        self: Any, cls: type, name: str, new_fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        return original(self, cls, name, _in_this_thread_only(new_fn, getattr(cls, name)), *args, **kwargs)
+
+    patch_method._tessera_this_thread_only = True  # type: ignore[attr-defined]
+    patcher.patch_method = patch_method  # type: ignore[union-attr]
+
+
+def _in_this_thread_only(patched: Callable[..., Any], previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``patched`` when called from the calling thread, ``previous`` from any other."""
+    owner = threading.get_ident()
+
+    @functools.wraps(patched)
+    def this_thread_only(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == owner:
+            return patched(*args, **kwargs)
+        return previous(*args, **kwargs)
+
+    return this_thread_only
+
+
+def isolate_fx_tracing() -> None:
+    """What one thread's FX trace changes process-wide, seen by that thread only: the tracing flag
+    (``isolate_fx_tracing_flag``) and the patched ``nn.Module`` methods (``isolate_fx_patches``).
+    Called under ``compile_state.COMPILE_LOCK`` (every compile of tessera's) and before a compile
+    thread starts: one cache lookup after the first call."""
+    isolate_fx_tracing_flag()
+    isolate_fx_patches()
+
+
 def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None]) -> Any:
     """Call ``hook(original, transformed)`` for every frame Dynamo converts; returns a handle.
 
@@ -426,6 +488,77 @@ def trace_errors() -> tuple[type[BaseException], ...]:
     """Dynamo's errors for code that cannot be one graph (``Unsupported``, ``UserError``)."""
     exc = dynamo().exc
     return (exc.Unsupported, exc.UserError)
+
+
+# Dynamo's graph-break kinds (``Unsupported.gb_type``, torch 2.13; the first line of the message
+# on 2.11) that say an op or the code raised on the traced values: a TypeError or RuntimeError of
+# an op run on fake tensors (``RuntimeError when making fake tensor call``), or an exception the
+# code raised and nothing caught (``Observed exception``). Eager would most likely raise too.
+_RAISED_ON_VALUES = re.compile(r"^(Observed exception|\w+ when making fake tensor call)")
+
+
+def raised_on_values(error: BaseException) -> bool:
+    """Whether a failed trace failed because an op or the code raised on the call's values (what
+    eager may raise as well: ``x @ w`` with the wrong sizes, ``None.view``), not because Dynamo
+    cannot trace the code. ``error`` is Dynamo's, or an UnsupportedModelError holding it as
+    ``dynamo_error``. ``TorchRuntimeError`` / ``Unsupported`` (torch 2.11-2.13, ``_dynamo.exc``)."""
+    error = getattr(error, "dynamo_error", None) or error
+    exc = dynamo().exc
+    if isinstance(error, exc.TorchRuntimeError):
+        return True
+    if not isinstance(error, exc.Unsupported):
+        return False
+    kind = getattr(error, "gb_type", None) or next(iter(str(error).strip().splitlines()), "")
+    return bool(_RAISED_ON_VALUES.match(str(kind)))
+
+
+# What torch logs at WARNING or above while a trace fails, about a failure it then raises (so the
+# log line only repeats the error tessera handles: retried another way, or raised to the caller in
+# eager's or tessera's words). Checked on torch 2.11-2.13: fake_tensor's ``log.exception`` when a
+# meta kernel raises (``x @ w`` with the wrong sizes, or a size-oblivious trace a kernel refuses),
+# and the one when an op raises TypeError; symbolic_shapes' warning when a guard fails to evaluate.
+_TRACE_FAILURE_LOGS: dict[str, tuple[str, ...]] = {
+    "torch._subclasses.fake_tensor": (
+        "failed while attempting to run meta for",
+        "fake tensor raised TypeError",
+    ),
+    "torch.fx.experimental.symbolic_shapes": ("failed during evaluate_expr",),
+}
+
+
+class _TraceFailureLogs(logging.Filter):
+    """Turns torch's log lines about a failure it raises into DEBUG lines of tessera's logger."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not str(record.msg).startswith(self.starts):
+            return True
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "torch (%s), during a trace: %s", record.name, record.getMessage(), exc_info=record.exc_info
+            )
+        return False
+
+
+@contextlib.contextmanager
+def trace_failure_logs_quiet() -> Iterator[None]:
+    """torch's own log lines about an error raised in a trace, at DEBUG (tessera's logger) for the
+    body instead of on stderr: the error itself reaches tessera, which retries the trace another way
+    or raises it (in eager's words where eager rejects the call). Every other record, and these at
+    DEBUG (``TORCH_LOGS``), passes as before. A filter per logger, removed on the way out."""
+    added = []
+    for name, starts in _TRACE_FAILURE_LOGS.items():
+        logger, quiet = logging.getLogger(name), _TraceFailureLogs(starts)
+        logger.addFilter(quiet)
+        added.append((logger, quiet))
+    try:
+        yield
+    finally:
+        for logger, quiet in added:
+            logger.removeFilter(quiet)
 
 
 def backend_failure(error: BaseException) -> BaseException | None:

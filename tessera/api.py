@@ -430,7 +430,6 @@ class CompiledModel:
             traces.warm_refused = str(e)
             log.info("%s: %s (recorded by an earlier process)", self.name, e)
             return self._start_guarded(args, kwargs, values, e.reason)
-        loaded = len(traces.entries)
         try:
             output = traces.first(args, kwargs)
         except UnsupportedModelError as e:
@@ -438,7 +437,8 @@ class CompiledModel:
                 raise
             self._record_guarded(str(e))
             return self._start_guarded(args, kwargs, values, str(e))
-        self.warm_start = len(traces.entries) == loaded and loaded > 0
+        # Warm: a saved trace served the first call, and nothing was traced for it.
+        self.warm_start = bool(traces.entries) and all(e.loaded for e in traces.entries)
         served = traces.last
         if served is not None:
             self.startup_phases.update(served.backend.phases)

@@ -488,8 +488,9 @@ class PiecewiseBackend:
             return
         self.background_status = "running"
         # A compile in another thread must not make this process's other torch.compile'd
-        # functions think they are being FX-traced (torch 2.11-2.13, see _compat).
-        _compat.isolate_fx_tracing_flag()
+        # functions think they are being FX-traced, nor send the modules they call into its FX
+        # trace (torch 2.11-2.13, see _compat).
+        _compat.isolate_fx_tracing()
         # The thread runs in a copy of this thread's context: Inductor's and Dynamo's settings
         # are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and a new thread
         # starts with an empty context, so the user's settings, which the cache key has read,
@@ -647,7 +648,7 @@ class PiecewiseBackend:
             if not self.idle.is_set():
                 return
             self.idle.clear()
-        _compat.isolate_fx_tracing_flag()  # see start_background
+        _compat.isolate_fx_tracing()  # see start_background
         context = contextvars.copy_context()  # see start_background
         thread = threading.Thread(
             target=context.run, args=(self._learn_loop,), name=f"tessera-learn-{self.prefix}", daemon=False

@@ -10,6 +10,7 @@ call that differs is explained by name, or normalised when only its syntax diffe
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
 import re
@@ -115,13 +116,13 @@ class CallSpec:
         """Each assumption ``(args, kwargs)`` breaks, with the value found."""
         out = []
         wrong_type: list[str] = []  # paths whose type differs: their dtype etc. say nothing more
-        names = {**(bound or {"_layout": layout_of}), "args": args, "kwargs": kwargs}
+        names = {**(bound or {"_layout": layout_of}), "args": args, "kwargs": kwargs, "_key": _key}
         for assumption in self.assumptions:
             if any(_about(assumption.expr, p) for p in wrong_type):
                 continue
             try:
-                found = eval(assumption.expr, {"__builtins__": __builtins__}, names)  # our grammar only
-            except Exception as e:  # a missing attribute, an index out of range
+                found = eval(_key_safe(assumption.expr), {"__builtins__": __builtins__}, names)  # our grammar
+            except Exception as e:  # a missing attribute, an index out of range, a tensor for a dict
                 found = _Missing(f"{type(e).__name__}: {e}")
             if not _same(found, assumption.expected):
                 out.append((assumption, found))
@@ -286,19 +287,102 @@ def _describe(
         yield Assumption(f"type({path})", type(value), f"{name}: type")
 
 
+def _argument_chain(node: ast.AST) -> list[ast.Subscript] | None:
+    """The subscripts from ``node`` down to the argument it reads (``kwargs['m']['k'].dtype``:
+    ``['k']`` then ``['m']``), or None when it is not read from ``args``/``kwargs``."""
+    chain: list[ast.Subscript] = []
+    while True:
+        if isinstance(node, ast.Subscript):
+            chain.append(node)
+            node = node.value
+        elif isinstance(node, ast.Attribute):
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+            node = node.func.value  # ``x.size()[0]``
+        else:
+            return chain if isinstance(node, ast.Name) and node.id in ("args", "kwargs") else None
+
+
+def _is_key(node: ast.Subscript) -> bool:
+    return isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_depth(expr: str) -> int:
+    """How many string keys ``expr`` reads below an argument (``kwargs['mask']['full']``: 1)."""
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        return 0
+    depth = 0
+    for node in ast.walk(tree):
+        chain = _argument_chain(node) if isinstance(node, ast.Subscript) else None
+        if chain:  # the last subscript of a chain is the argument itself (``kwargs['mask']``)
+            depth = max(depth, sum(_is_key(n) for n in chain[:-1]))
+    return depth
+
+
+def _key(container: Any, key: str) -> Any:
+    """``container[key]``, refused for a tensor (torch warns before it fails on a string)."""
+    if isinstance(container, torch.Tensor):
+        raise TypeError(f"a tensor, not a dict with key {key!r}")
+    return container[key]
+
+
+@functools.lru_cache(maxsize=4096)
+def _key_safe(expr: str) -> str:
+    """``expr`` with each string key below an argument read through ``_key``: evaluated on a
+    call that passes a tensor where the trace saw a dict, it fails without torch's warning."""
+    if _key_depth(expr) == 0:
+        return expr
+
+    class _Keys(ast.NodeTransformer):
+        def visit_Subscript(self, node: ast.Subscript) -> ast.AST:
+            chain = _argument_chain(node)  # before the keys inside it are rewritten
+            self.generic_visit(node)
+            if not chain or len(chain) < 2 or not _is_key(node):
+                return node
+            call = ast.Call(
+                func=ast.Name(id="_key", ctx=ast.Load()), args=[node.value, node.slice], keywords=[]
+            )
+            return ast.copy_location(call, node)
+
+    return ast.unparse(_Keys().visit(ast.parse(expr, mode="eval")))
+
+
+def read_path(path: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """The value at ``path`` (``kwargs['mask']['full']``, our grammar) of a call; raises where the
+    call has none there (a tensor where the trace saw a dict: without torch's warning)."""
+    return eval(_key_safe(path), {"__builtins__": {}}, {"args": args, "kwargs": kwargs, "_key": _key})
+
+
 def _check_source(spec: CallSpec) -> str:
     """The one boolean expression over ``args``/``kwargs`` (and the namespace of _check_namespace)
-    that says a call is the traced one."""
-    exprs = [a.expr for a in spec.assumptions]
+    that says a call is the traced one. The assumptions are compared in stages (``_stages``), so
+    that a dict argument's entries are read only once its keys are the traced ones."""
     autocast = (spec.global_state or _compat.call_state())[0]
     state = (
         "_call_state() == _STATE"
         if autocast
         else "not _any_autocast() and _default_dtype() is _DTYPE and _modes() == _MODES"
     )
-    return f"not _grad() and {state} and len(args) == {spec.num_args} and kwargs.keys() == _KEYS" + (
-        f" and ({', '.join(exprs)},) == _EXPECTED" if exprs else ""
+    return f"not _grad() and {state} and len(args) == {spec.num_args} and kwargs.keys() == _KEYS" + "".join(
+        f" and ({', '.join(a.expr for a in stage)},) == _EXPECTED{i}" for i, stage in enumerate(_stages(spec))
     )
+
+
+def _stages(spec: CallSpec) -> list[list[Assumption]]:
+    """The assumptions by how many string keys they read below an argument: ``kwargs['mask']
+    ['full']`` comes after ``tuple(kwargs['mask'])`` (the dict's keys), so a call passing a tensor
+    there never indexes it with a string (torch warns of "a non-tuple sequence for
+    multidimensional indexing" before it fails)."""
+    stages: list[list[Assumption]] = []
+    for assumption in spec.assumptions:
+        depth = _key_depth(assumption.expr)
+        while len(stages) <= depth:
+            stages.append([])
+        stages[depth].append(assumption)
+    return [stage for stage in stages if stage]
 
 
 def _check_namespace(spec: CallSpec, bound: Mapping[str, Any]) -> dict[str, Any]:
@@ -306,7 +390,7 @@ def _check_namespace(spec: CallSpec, bound: Mapping[str, Any]) -> dict[str, Any]
     return {
         **bound,
         "_KEYS": frozenset(spec.keywords),
-        "_EXPECTED": tuple(a.expected for a in spec.assumptions),
+        **{f"_EXPECTED{i}": tuple(a.expected for a in stage) for i, stage in enumerate(_stages(spec))},
         "_grad": torch.is_grad_enabled,
         "_any_autocast": _compat.any_autocast(),
         "_default_dtype": torch.get_default_dtype,
@@ -363,14 +447,14 @@ def make_predicate(
 def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
     """A function of ``(args, kwargs)`` returning every tensor the trace read (arguments, nested
     ones, the model's parameters and buffers, globals): what decides whether a result needs grad."""
-    exprs = [a.expr[: -len(".dtype")] for a in spec.assumptions if a.label.endswith(": dtype")]
+    exprs = [_key_safe(a.expr[: -len(".dtype")]) for a in spec.assumptions if a.label.endswith(": dtype")]
     source = (
         "def tensors(args, kwargs):\n"
         "    out = []\n"
         + "".join(f"    try:\n        out.append({e})\n    except Exception:\n        pass\n" for e in exprs)
         + "    return tuple(out)\n"
     )
-    namespace: dict[str, Any] = dict(bound)
+    namespace: dict[str, Any] = {**bound, "_key": _key}
     exec(compile(source, "<tessera tensors read>", "exec"), namespace)  # our own generated source
     return namespace["tensors"]  # type: ignore[no-any-return]
 
@@ -391,56 +475,113 @@ def normalise(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call rewritten in the traced call's structure (positional vs keyword), or
     InputMismatchError naming an argument the trace did not see (or saw and this call lacks)."""
+    return rewrite(signature, spec, len(args), tuple(kwargs)).apply(args, kwargs)
+
+
+# Where a traced argument comes from in a call: ("args", i), ("kwargs", key), or ("default", value).
+Source = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """How every call of one shape (its positional count and keyword names) is rewritten in a
+    trace's structure: where each traced argument comes from, and the arguments the trace saw
+    left to their default (a call that passes one is rewritten only while it passes the default).
+    Made once per shape by ``rewrite``; ``apply`` reads no signature."""
+
+    positional: tuple[Source, ...]
+    keywords: tuple[tuple[str, Source], ...]
+    dropped: tuple[tuple[str, Source, Any], ...] = ()  # (name, where passed, the default it must be)
+
+    def apply(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` in the trace's structure; InputMismatchError where a dropped
+        argument is passed with another value than its default."""
+        for key, source, default in self.dropped:
+            value = _read(source, args, kwargs)
+            if default is _NO_DEFAULT or not _same(value, default):
+                raise InputMismatchError(
+                    f"argument {key!r}: the trace was made without it, this call passes {_short(value)}"
+                )
+        return (
+            tuple(_read(s, args, kwargs) for s in self.positional),
+            {key: _read(s, args, kwargs) for key, s in self.keywords},
+        )
+
+
+_NO_DEFAULT = object()  # a dropped argument the signature gives no default: no call may pass it
+
+
+def _read(source: Source, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    kind, key = source
+    if kind == "args":
+        return args[key]
+    if kind == "kwargs":
+        return kwargs[key]
+    return key
+
+
+class _Slot:
+    """What stands for an argument while a call's shape is bound to the signature."""
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+
+def rewrite(
+    signature: inspect.Signature, spec: CallSpec, num_args: int, keywords: tuple[str, ...]
+) -> Rewrite:
+    """The rewrite of a call with ``num_args`` positional arguments and ``keywords`` into the
+    traced call's structure (positional vs keyword, defaults filled in or dropped), or
+    InputMismatchError naming an argument the trace did not see (or saw and this call lacks).
+    Depends on the shape alone, so it can be worked out once per shape."""
     params = list(signature.parameters.values())
+    slots = tuple(_Slot(("args", i)) for i in range(num_args))
     try:
-        bound = signature.bind(*args, **kwargs)
+        bound = signature.bind(*slots, **{key: _Slot(("kwargs", key)) for key in keywords})
     except TypeError as e:
         raise InputMismatchError(f"the call does not match the model's signature {signature}: {e}") from e
     values = dict(bound.arguments)
     var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
     var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
     extra_keywords = dict(values.pop(var_keyword, {})) if var_keyword else {}
-    positional: list[Any] = []
+    positional: list[Source] = []
     for param in params:
         if len(positional) >= spec.num_args:
             break
         if param.kind is param.VAR_POSITIONAL:
-            positional.extend(values.pop(param.name, ()))
+            positional.extend(slot.source for slot in values.pop(param.name, ()))
         elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             if param.name in values:
-                positional.append(values.pop(param.name))
+                positional.append(values.pop(param.name).source)
             elif param.default is not param.empty:
-                positional.append(param.default)
+                positional.append(("default", param.default))
     if var_positional is not None:
         extra = values.pop(var_positional, ())
-        if len(args) != spec.num_args and len(extra):
+        if num_args != spec.num_args and len(extra):
             raise InputMismatchError(
                 f"*{var_positional}: the trace saw {spec.num_args} positional argument(s), "
-                f"this call {len(args)}"
+                f"this call {num_args}"
             )
-    keywords: dict[str, Any] = {}
+    named: list[tuple[str, Source]] = []
     for key in spec.keywords:
         if key in values:
-            keywords[key] = values.pop(key)
+            named.append((key, values.pop(key).source))
         elif key in extra_keywords:
-            keywords[key] = extra_keywords.pop(key)
+            named.append((key, extra_keywords.pop(key).source))
         elif key in signature.parameters and signature.parameters[key].default is not inspect.Parameter.empty:
-            keywords[key] = signature.parameters[key].default
+            named.append((key, ("default", signature.parameters[key].default)))
         else:
             raise InputMismatchError(f"argument {key!r}: the trace saw it passed, this call does not pass it")
-    leftover = {**values, **extra_keywords}
-    for key, value in leftover.items():
+    dropped = []
+    for key, slot in {**values, **extra_keywords}.items():
         declared = signature.parameters.get(key)
-        if declared is not None and declared.default is not declared.empty and _same(value, declared.default):
-            continue  # passed explicitly with its default: what the trace saw
-        raise InputMismatchError(
-            f"argument {key!r}: the trace was made without it, this call passes {_short(value)}"
-        )
+        default = _NO_DEFAULT if declared is None or declared.default is declared.empty else declared.default
+        dropped.append((key, slot.source, default))
     if len(positional) != spec.num_args:
         raise InputMismatchError(
             f"the trace saw {spec.num_args} positional argument(s), this call passes {len(positional)}"
         )
-    return tuple(positional), keywords
+    return Rewrite(tuple(positional), tuple(named), tuple(dropped))
 
 
 _LAYOUT_PATH = re.compile(

@@ -35,7 +35,16 @@ class _CompileLock:
     """
 
     def __enter__(self) -> None:
-        _compat.dynamo_compile_lock().acquire()
+        lock = _compat.dynamo_compile_lock()
+        lock.acquire()
+        try:
+            # A compile traces with torch.fx, whose "tracing" flag and patches of nn.Module are
+            # process-wide: threads serving meanwhile must not see them (see _compat). Made once,
+            # under the lock: no other compile is half-way through a trace then.
+            _compat.isolate_fx_tracing()
+        except BaseException:
+            lock.release()
+            raise
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None

@@ -23,6 +23,13 @@ class UnsupportedModelError(TesseraError):
     dynamo_error: BaseException | None = None
 
 
+class UnsupportedArgumentError(UnsupportedModelError):
+    """An argument tessera cannot take (eager would): the trace failed where the forward uses it
+    (a generator, a lock, an open file). ``argument`` names it; the message says what to pass."""
+
+    argument: str = ""
+
+
 class SizeFixedError(UnsupportedModelError):
     """A dim traced as dynamic has a size the model's code fixes (Dynamo's constraint violation):
     one graph cannot serve every size. ``tessera.compile`` then traces once per size, as

@@ -18,6 +18,7 @@ its entries do not cover.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, counters, dynamo_guards, validation, warm
+from tessera import _compat, call_check, call_shapes, counters, dynamo_guards, validation, warm
 from tessera.backend import GraphReceiver, PiecewiseBackend
 from tessera.cache.remote import RemoteTier
 from tessera.compile_state import COMPILE_LOCK
@@ -48,6 +49,7 @@ from tessera.wrapper import (
     TraceAgain,
     bind_arguments,
     choose_dynamic_dims,
+    eager_errors_first,
     mark_dynamic,
     trace_once,
 )
@@ -74,8 +76,56 @@ class TracePlan:
     dims: tuple[tuple[str, int], ...] = ()  # top-level argument dims made dynamic by a re-trace
     nested: tuple[tuple[str, int], ...] = ()  # dims of tensors inside arguments (path, dim)
     state: tuple[str, ...] = ()  # Python ints of argument objects traced as symbols
-    static: frozenset[tuple[str, int]] = frozenset()  # dims held static (a size the code treats apart)
+    # Dims (argument name or nested path, dim) whose sizes 0 and 1 the code treats apart: a call
+    # with such a size there is traced with it static, and the dim stays dynamic for every other
+    # call (Dynamo specialises a size of 0 or 1 the same way, graph by graph).
+    apart: frozenset[tuple[str, int]] = frozenset()
+    seen: frozenset[str] = frozenset()  # the tensor arguments some trace was made with
     soft: bool = False  # marks are "maybe dynamic": Dynamo keeps a dim static where the code fixes it
+
+
+def plan_to_json(plan: TracePlan) -> dict[str, list[Any]]:
+    """A plan as JSON lists (saved beside the fingerprint's traces, cache/artifact.write_plan)."""
+    return {
+        "dims": [list(d) for d in plan.dims],
+        "nested": [list(d) for d in plan.nested],
+        "state": list(plan.state),
+        "apart": sorted(list(d) for d in plan.apart),
+        "seen": sorted(plan.seen),
+    }
+
+
+def plan_from_json(data: dict[str, list[Any]]) -> TracePlan:
+    """``plan_to_json``'s inverse; what is not well formed is left out (it only widens)."""
+
+    def pairs(key: str) -> tuple[tuple[str, int], ...]:
+        return tuple(
+            (str(p[0]), int(p[1]))
+            for p in data.get(key, [])
+            if isinstance(p, list) and len(p) == 2 and isinstance(p[1], int) and not isinstance(p[1], bool)
+        )
+
+    return TracePlan(
+        dims=pairs("dims"),
+        nested=pairs("nested"),
+        state=tuple(str(x) for x in data.get("state", []) if isinstance(x, str)),
+        apart=frozenset(pairs("apart")),
+        seen=frozenset(str(x) for x in data.get("seen", []) if isinstance(x, str)),
+    )
+
+
+def _merged_plans(a: TracePlan, b: TracePlan) -> TracePlan:
+    def union(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (*x, *(i for i in y if i not in x))
+
+    return TracePlan(
+        dims=union(a.dims, b.dims),
+        nested=union(a.nested, b.nested),
+        state=union(a.state, b.state),
+        apart=a.apart | b.apart,
+        seen=a.seen | b.seen,
+        soft=a.soft or b.soft,
+    )
 
 
 @dataclass(frozen=True)
@@ -133,6 +183,9 @@ class Traces:
         self._install = install
         self._lock = lock
         self.entries: tuple[TraceEntry, ...] = ()
+        # Traces an earlier process saved, not yet needed: one becomes an entry at the first call
+        # it covers, within max_traces (the limit counts what serves, wherever it was traced).
+        self.held: list[TraceEntry] = []
         self.last: TraceEntry | None = None
         self.plan = TracePlan()
         self.soft_dims = False  # set by presets (tessera.hf): suggested dims, "maybe dynamic"
@@ -144,6 +197,8 @@ class Traces:
         self._said: set[str] = set()
         self._by_graph: dict[str, PiecewiseBackend] = {}  # the backends traced here, by graph
         self._no_oblivious = False  # torch could not trace this model size-obliviously
+        # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
+        self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
 
     # -- making entries ---------------------------------------------------------------------
     def load_saved(self) -> None:
@@ -161,16 +216,19 @@ class Traces:
         self.warm_refused = refused
         for trace in saved:
             fast = functools.partial(trace.call, self.model.target)
-            self._add(trace.spec, fast, trace.backend, trace.reason, loaded=True)
+            self.held.append(self._entry(trace.spec, fast, trace.backend, trace.reason, loaded=True))
+        self.plan = _merged_plans(
+            self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint))
+        )
 
     def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first call: served by a saved trace that covers it, else by a new trace."""
-        if self.entries:
-            served = self._serve_existing(args, kwargs)
+        if self.held:
+            served = self._take_saved(args, kwargs)
             if served is not None:
                 return served[0]
             counters.bump("warm_start_fallbacks")  # artifacts there, none for this call
-            nearest = self._nearest(args, kwargs)
+            nearest = self._nearest(args, kwargs, among=self.held)
             self.warm_refused = f"this call differs from the saved traces: {nearest[1]}"
             log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
             return self.trace(args, kwargs, nearest[1], nearest[2])
@@ -183,9 +241,11 @@ class Traces:
         reason: str,
         mismatches: list[tuple[call_check.Assumption, Any]],
     ) -> Any:
-        """Trace this call once more (widening the plan by what changed), add and serve it."""
-        with self._lock:
-            self.plan = self._widened(self.plan, args, kwargs, mismatches)
+        """Trace this call once more (widening the plan by what changed), add and serve it. A trace
+        that fails on the call's values where eager fails too raises eager's error (the caller's)."""
+        with self._lock, self._eager_errors_first(args, kwargs):
+            changed = self._changed_since_every_entry(args, kwargs)
+            self.plan = self._widened(self.plan, args, kwargs, [*mismatches, *changed])
             try:
                 return self._trace(args, kwargs, reason)
             except SizeFixedError as e:
@@ -195,8 +255,19 @@ class Traces:
                 self.plan = dataclasses.replace(self.plan, soft=True)
                 return self._trace(args, kwargs, reason)
 
+    def _eager_errors_first(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[None]:
+        """``wrapper.eager_errors_first`` for this model: a call eager rejects too leaves the plan
+        as it was (what it changed is no reason to make a dim dynamic)."""
+        undo = functools.partial(setattr, self, "plan", self.plan)
+        return eager_errors_first(self.model.name, self.model.target, args, kwargs, undo)
+
     def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
         values = bind_arguments(self.model.func, self.model.bound_to, args, kwargs)
+        newcomers = [d for d in self._newcomer_dims(values) if d not in self.plan.dims]
+        if newcomers:
+            self.plan = dataclasses.replace(self.plan, dims=(*self.plan.dims, *newcomers))
         choice = self.choose(values)
         if not self.entries:
             self.marked_dims = list(choice.dims)
@@ -215,12 +286,21 @@ class Traces:
         except Exception as e:
             if not oblivious or (isinstance(e, TesseraError) and not isinstance(e, UnsupportedModelError)):
                 raise
+            if _hinted(values, choice):
+                # A size of 0 or 1 traced with a general hint, where another tensor of the call
+                # holds that size static (a decode step's batch of 1 in the cache's tensors): this
+                # call is traced for its size; the model's other traces stay size-oblivious.
+                log.info("%s: %s; traced for this call's sizes", self.model.name, _first_line(e))
+                return self._trace_with(args, kwargs, values, choice, reason, False)
             # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
             # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
             # The model's later traces go that way at once (each failed attempt costs a trace).
-            self._no_oblivious = True
-            log.info("%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, e)
-            return self._trace_with(args, kwargs, values, choice, reason, False)
+            log.info(
+                "%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, _first_line(e)
+            )
+            output = self._trace_with(args, kwargs, values, choice, reason, False)
+            self._no_oblivious = True  # not after a call that fails either way (the caller's error)
+            return output
 
     def _trace_with(
         self,
@@ -265,11 +345,9 @@ class Traces:
                 # A dynamic size of 0 or 1 traced with a general hint: Inductor reads the hint as
                 # the size where it decides (a kernel for one row served two wrongly). The trace
                 # is kept only if this call holds every guard it made (_recorder).
-                for name, dim in choice.dims:
-                    value = values.get(name)
-                    if isinstance(value, torch.Tensor) and dim < value.dim() and value.shape[dim] < 2:
-                        _compat.override_size_hint(value, dim, _GENERAL_HINT)
-                        small += 1
+                for value, dim in _small_dims(values, choice):
+                    _compat.override_size_hint(value, dim, _GENERAL_HINT)
+                    small += 1
             trace = trace_once(
                 model.traced_fn,
                 receiver,
@@ -282,6 +360,8 @@ class Traces:
                 size_oblivious=oblivious,
             )
         mutated = _changed(versions, args, kwargs)
+        tensors = frozenset(n for n, v in values.items() if isinstance(v, torch.Tensor))
+        self.plan = dataclasses.replace(self.plan, seen=self.plan.seen | tensors)
         backend = receiver.received()
         inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
         seconds = time.perf_counter() - start - inside
@@ -323,8 +403,44 @@ class Traces:
             entry.reason,
             context.remote,
         )
+        warm.save_plan(context.root, context.fingerprint, plan_to_json(self.plan))
+
+    def _take_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
+        """The output of a saved trace that covers this call, made one of the model's entries (it
+        counts against ``max_traces`` from then on, as a trace made here would); None if none does.
+        A saved trace past the limit is refused as a new trace would be."""
+        with self._lock:
+            for held in list(self.held):
+                served = self._serve_existing(args, kwargs, among=[held], serve=False)
+                if served is None:
+                    continue
+                if len(self.entries) >= self.config.max_traces:
+                    return None  # the caller refuses it, naming the limit
+                self.held.remove(held)
+                entry = dataclasses.replace(held, number=len(self.entries) + 1)
+                self.entries = (*self.entries, entry)
+                return self._serve_existing(args, kwargs, among=[entry])
+        return None
 
     def _add(
+        self,
+        spec: call_check.CallSpec,
+        fast: Callable[..., Any],
+        backend: PiecewiseBackend,
+        reason: str,
+        *,
+        loaded: bool,
+        code: types.CodeType | None = None,
+        mutated: frozenset[tuple[str, str]] = frozenset(),
+        timed: tuple[float, float] = (0.0, 0.0),
+    ) -> TraceEntry:
+        entry = self._entry(
+            spec, fast, backend, reason, loaded=loaded, code=code, mutated=mutated, timed=timed
+        )
+        self.entries = (*self.entries, entry)
+        return entry
+
+    def _entry(
         self,
         spec: call_check.CallSpec,
         fast: Callable[..., Any],
@@ -357,7 +473,6 @@ class Traces:
             started=timed[0],
             seconds=timed[1],
         )
-        self.entries = (*self.entries, entry)
         return entry
 
     def choose(self, values: dict[str, Any]) -> DynamicChoice:
@@ -374,18 +489,72 @@ class Traces:
             for n, d in self.plan.dims
             if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and (n, d) not in choice.dims
         ]
-        dims = tuple(d for d in (*choice.dims, *extra) if d not in self.plan.static)
+        dims = tuple(d for d in (*choice.dims, *extra) if not self._small_apart(d[0], d[1], values.get(d[0])))
         return DynamicChoice(dims, choice.guessed or self.soft_dims or self.plan.soft or bool(extra))
+
+    def _newcomer_dims(self, values: dict[str, Any]) -> list[tuple[str, int]]:
+        """Dims of a tensor argument no earlier trace had (a mask a later call passes) whose size
+        is that of a dim found changing: marked "maybe dynamic" at once. Dynamo would trace the
+        newcomer static and make it dynamic a trace later; a static mask fixed the prompt's
+        length through the model's equality of the two, so each length was a trace of its own."""
+        if not self.entries or not self.plan.dims:
+            return []
+        sizes = {
+            values[n].shape[d]
+            for n, d in self.plan.dims
+            if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and values[n].shape[d] >= 2
+        }
+        out: list[tuple[str, int]] = []
+        for name, value in values.items():
+            if name in self.plan.seen or not isinstance(value, torch.Tensor):
+                continue
+            out.extend((name, d) for d, size in enumerate(value.shape) if size in sizes)
+        return out
+
+    def _changed_since_every_entry(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[call_check.Assumption, Any]]:
+        """What this call changed against every entry, not only the nearest: a size or an argument
+        int that took another value in any trace is dynamic from now on, as Dynamo's automatic
+        dynamic keeps one record of the sizes seen for all of a frame's graphs. (Widened by the
+        nearest entry alone, a batch that changed between two decode steps stayed static in the
+        cache's tensors, and every batch of a generate() loop was a trace of its own.)"""
+        changed: list[tuple[call_check.Assumption, Any]] = []
+        for entry in self.entries:
+            try:
+                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+            except call_check.InputMismatchError:
+                continue  # another structure: nothing to compare
+            changed.extend(
+                (assumption, found)
+                for assumption, found in entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+                if not assumption.floor
+            )
+        return changed
+
+    def _small_apart(self, name: str, dim: int, value: Any) -> bool:
+        """Whether this call's size of ``name``'s ``dim`` is one the code treats apart (0 or 1,
+        where an earlier trace's floor broke): traced static, for this trace only."""
+        return (
+            (name, dim) in self.plan.apart
+            and isinstance(value, torch.Tensor)
+            and dim < value.dim()
+            and value.shape[dim] < 2
+        )
 
     def _nested_tensors(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Iterator[tuple[torch.Tensor, int]]:
         for path, dim in self.plan.nested:
             try:
-                value = eval(path, {"__builtins__": {}}, {"args": args, "kwargs": kwargs})  # our grammar
+                value = call_check.read_path(path, args, kwargs)
             except Exception:
                 continue
-            if isinstance(value, torch.Tensor) and dim < value.dim():
+            if (
+                isinstance(value, torch.Tensor)
+                and dim < value.dim()
+                and not self._small_apart(path, dim, value)
+            ):
                 yield value, dim
 
     def _widened(
@@ -397,17 +566,16 @@ class Traces:
     ) -> TracePlan:
         """``plan`` with what changed between the nearest entry's trace and this call made
         dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
-        entry bounded from below that this call goes under is held static (its own entry)."""
+        entry bounded from below that this call goes under is traced static when it is that small
+        (its own entry), and stays dynamic for every other size."""
         names = call_check.argument_names(self.model.signature, args, kwargs)
         dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
-        static = set(plan.static)
+        apart = set(plan.apart)
         for assumption, found in mismatches:
             floor = _floor_parts(assumption.expr)
             if assumption.floor and floor is not None:
                 path, dim = floor
-                if path in names:
-                    static.add((names[path], dim))
-                nested = [(p, d) for p, d in nested if (p, d) != (path, dim)]
+                apart.add((names[path], dim) if path in names else (path, dim))
                 continue
             if assumption.state and validation.is_int(assumption.expected) and validation.is_int(found):
                 if _compat.supports_dynamic_state() and assumption.expr not in state:
@@ -420,7 +588,7 @@ class Traces:
                 elif (path, dim) not in nested:
                     nested.append((path, dim))
         return dataclasses.replace(
-            plan, dims=tuple(dims), nested=tuple(nested), state=tuple(state), static=frozenset(static)
+            plan, dims=tuple(dims), nested=tuple(nested), state=tuple(state), apart=frozenset(apart)
         )
 
     # -- the call check of a trace ----------------------------------------------------------------
@@ -504,11 +672,18 @@ class Traces:
             refuse_if_grad_needed(self.model.name, self.model.owner, grad_tensors((args, kwargs)))
             with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
                 return self.route(args, kwargs)
+        found = self.shapes.find(args, kwargs)  # a shape served before in another syntax
+        if found is not None:
+            entry, n_args, n_kwargs = found
+            self._serving(entry)
+            return entry.fast(*n_args, **n_kwargs)
         served = self._serve_existing(args, kwargs)
         if served is not None:
             return served[0]
         with self._lock:
             served = self._serve_existing(args, kwargs)  # another thread may have traced it
+            if served is None and self.held:
+                served = self._take_saved(args, kwargs)
             if served is not None:
                 return served[0]
             nearest, reason, mismatches = self._nearest(args, kwargs)
@@ -531,12 +706,21 @@ class Traces:
             return last.fast(*args, **kwargs)
         return self.slow(args, kwargs)
 
-    def _serve_existing(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
+    def _serve_existing(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        among: list[TraceEntry] | None = None,
+        serve: bool = True,
+    ) -> tuple[Any] | None:
         """The output of the entry that covers this call (as passed, normalised to its traced
-        structure, or with an argument copied into its traced layout); None if none does."""
-        ordered = self._ordered()
+        structure, or with an argument copied into its traced layout); None if none does.
+        ``among``: those entries instead of the model's; ``serve=False``: the entry, not run."""
+        ordered = self._ordered() if among is None else among
         for entry in ordered:
             if entry.accepts(args, kwargs):
+                if not serve:
+                    return (entry,)
                 self._serving(entry)
                 return (entry.fast(*args, **kwargs),)
         state = _compat.call_state()
@@ -544,17 +728,23 @@ class Traces:
             if entry.spec.global_state and entry.spec.global_state != state:
                 continue  # traced under another autocast, default dtype or function mode
             try:
-                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+                rewrite = call_check.rewrite(self.model.signature, entry.spec, len(args), tuple(kwargs))
+                n_args, n_kwargs = rewrite.apply(args, kwargs)
             except call_check.InputMismatchError:
                 continue
             # The assumptions one by one: the quick check compares a tuple, where NaN != NaN.
             mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+            if serve and not mismatches and entry.accepts(n_args, n_kwargs):
+                # Only the syntax differs: later calls of this shape skip this search.
+                self.shapes.remember(call_shapes.shape_of(args, kwargs), entry, rewrite)
             if mismatches:
                 if not all(call_check.layout_path(a) for a, _ in mismatches):
                     continue
                 n_args, n_kwargs = _fix_layouts(entry, n_args, n_kwargs, mismatches)
                 if entry.spec.mismatches(n_args, n_kwargs, entry.bound):
                     continue
+            if not serve:
+                return (entry,)
             self._serving(entry)
             return (entry.fast(*n_args, **n_kwargs),)
         return None
@@ -570,12 +760,12 @@ class Traces:
             self._install(entry)
 
     def _nearest(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], among: list[TraceEntry] | None = None
     ) -> tuple[TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]:
         """The entry this call differs least from, in words, and the assumptions it breaks."""
         best: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]] | None = None
         state = _compat.call_state()
-        for entry in self._ordered():
+        for entry in self._ordered() if among is None else among:
             candidate: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]
             try:
                 n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
@@ -642,6 +832,26 @@ class Traces:
 
 # The size hint a dynamic size of 0 or 1 is traced with (see Traces._trace_with).
 _GENERAL_HINT = 8
+
+
+def _small_dims(values: dict[str, Any], choice: DynamicChoice) -> list[tuple[torch.Tensor, int]]:
+    """The dims marked dynamic whose size in this call is 0 or 1 (traced with a general hint)."""
+    out = []
+    for name, dim in choice.dims:
+        value = values.get(name)
+        if isinstance(value, torch.Tensor) and dim < value.dim() and value.shape[dim] < 2:
+            out.append((value, dim))
+    return out
+
+
+def _hinted(values: dict[str, Any], choice: DynamicChoice) -> bool:
+    return bool(_small_dims(values, choice))
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's first line (torch's carry a page of context), for a log line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class _TracedAtOne(TraceAgain):

@@ -116,3 +116,15 @@ def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend:
         return
     if remote is not None:
         publish(remote, root, fingerprint, entry, grown=True)
+
+
+def save_plan(root: Path, fingerprint: str, plan: dict[str, list[Any]]) -> None:
+    """What the model's traces found changing, for the next process (its new traces start wide)."""
+    try:
+        model_artifact.write_plan(root, fingerprint, plan)
+    except OSError as e:  # the next process finds the dims again, a trace each
+        log.debug("%s: trace plan not saved (%s)", fingerprint[:12], e)
+
+
+def load_plan(root: Path, fingerprint: str) -> dict[str, list[Any]]:
+    return model_artifact.read_plan(root, fingerprint)

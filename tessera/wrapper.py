@@ -6,11 +6,14 @@ object in a portable form (``PortableCode``) that a later process runs without i
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import dis
 import inspect
 import logging
 import marshal
 import pickle
+import re
 import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -19,7 +22,13 @@ from typing import Any
 import torch
 
 from tessera import _compat
-from tessera.errors import ConfigError, SizeFixedError, TesseraError, UnsupportedModelError
+from tessera.errors import (
+    ConfigError,
+    SizeFixedError,
+    TesseraError,
+    UnsupportedArgumentError,
+    UnsupportedModelError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +234,18 @@ def trace_once(
     )
     handle = _compat.register_bytecode_hook(hook)
     try:
-        with _compat.single_trace_settings(dynamic_state, size_oblivious):
+        # A failure is raised to tessera (retried, or raised in eager's words): torch's own log
+        # lines about it stay off stderr.
+        with _compat.single_trace_settings(dynamic_state, size_oblivious), _compat.trace_failure_logs_quiet():
             output = _traced_call(compiled, target, args, kwargs)
     except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error
         # stays reachable as .dynamo_error instead of being printed as the cause.
+        blamed = argument_blamed(e, target, args, kwargs)
         error = UnsupportedModelError(describe_trace_failure(name, e))
+        if blamed is not None:
+            refused = UnsupportedArgumentError(describe_argument_failure(name, e, *blamed))
+            refused.argument, error = blamed[0], refused
         error.dynamo_error = e
         raise error from None
     except _compat.constraint_violation_error() as e:
@@ -335,10 +350,14 @@ def _as_function(code: types.CodeType, entry: types.FunctionType) -> Callable[..
     return types.FunctionType(code, entry.__globals__, entry.__name__)
 
 
+def _cause(error: BaseException) -> str:
+    message = str(error).strip().splitlines()
+    return next((line for line in message if line.strip()), type(error).__name__)
+
+
 def describe_trace_failure(name: str, error: BaseException) -> str:
     """One paragraph naming the cause and the user source line, instead of a Dynamo stack dump."""
-    message = str(error).strip().splitlines()
-    cause = next((line for line in message if line.strip()), type(error).__name__)
+    cause = _cause(error)
     where = ""
     stack = getattr(error, "real_stack", None)
     if stack:
@@ -349,6 +368,95 @@ def describe_trace_failure(name: str, error: BaseException) -> str:
         "tessera needs the whole forward in one graph: remove the graph break or data-dependent "
         "branch there, or use mode='stock'."
     )
+
+
+# Values an argument may hold that Dynamo traces (or reads as constants): an argument of any other
+# kind, used on the source line where a trace failed, is what the failure is blamed on.
+_TRACEABLE = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_CONTAINERS = (list, tuple, dict, set, frozenset, torch.nn.Module)
+
+
+def argument_blamed(
+    error: BaseException, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, Any, str] | None:
+    """(name, value, where) of the argument a failed trace stopped on, or None: an argument of a
+    kind Dynamo does not trace (a generator, a lock, an open file; not a tensor, number, string,
+    container or module) named on the forward's source line where Dynamo gave up. A failure on
+    the values (a data-dependent branch) or on a line that names no such argument blames none."""
+    if not isinstance(error, _compat.dynamo().exc.Unsupported) or _compat.raised_on_values(error):
+        return None
+    code = getattr(getattr(target, "__func__", target), "__code__", None)
+    stack = getattr(error, "real_stack", None) or ()
+    frame = next(
+        (
+            f
+            for f in reversed(stack)
+            if code is not None and f.filename == code.co_filename and f.name == code.co_name
+        ),
+        None,
+    )
+    if frame is None or not frame.line:
+        return None
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    values = dict(bound.arguments)
+    var_keyword = _var_keyword(bound.signature)
+    if var_keyword is not None:
+        values.update(values.pop(var_keyword, {}))
+    named = set(re.findall(r"[A-Za-z_]\w*", frame.line))
+    for name, value in values.items():
+        if name in named and not isinstance(value, _TRACEABLE + _CONTAINERS) and not _is_dataclass(value):
+            return name, value, f"{frame.filename}:{frame.lineno}: {frame.line.strip()}"
+    return None
+
+
+def _is_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def describe_argument_failure(name: str, error: BaseException, argument: str, value: Any, where: str) -> str:
+    """What an UnsupportedArgumentError says: the argument, where the trace stopped on it, why."""
+    return (
+        f"{name}: tessera cannot take argument {argument!r} (a {type(value).__module__}."
+        f"{type(value).__qualname__}): Dynamo cannot trace what the forward does with it at {where}. "
+        f"Cause: {_cause(error)}. Pass it in a form that traces (tensors, numbers, strings, and "
+        "lists, tuples, dicts or dataclasses of them), keep it out of the forward's arguments, or "
+        "use mode='stock'."
+    )
+
+
+@contextlib.contextmanager
+def eager_errors_first(
+    name: str,
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    undo: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """A trace of the body that failed on the call's values (an op that raised on fake tensors,
+    an exception the code raised: ``_compat.raised_on_values``) is the caller's error where eager
+    rejects the call too: the call is run eagerly, under no_grad as it was traced, and eager's
+    own exception is raised (the trace's error stays reachable as its ``__context__``, and is
+    logged at DEBUG). Costs a forward, on this failure path only. Where eager runs it, the
+    trace's error is raised as it was (a fault of the trace, not of the call). ``undo`` is called
+    before eager's error is raised: what the failed trace changed is not kept for a bad call."""
+    try:
+        yield
+    except Exception as e:
+        if not _compat.raised_on_values(e):
+            raise
+        try:
+            with torch.no_grad():
+                target(*args, **kwargs)
+        except Exception as eager:
+            if undo is not None:
+                undo()
+            log.debug("%s: the trace failed (%s); eager rejects the call too: raising its error", name, e)
+            raise eager from None
+        log.debug("%s: the trace failed (%s), but eager runs the call", name, e)
+        raise
 
 
 # -- Dynamo's bytecode, portable across processes -------------------------------------------------

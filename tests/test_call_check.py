@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import enum
 import math
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -529,3 +530,135 @@ def test_a_strided_first_call_is_traced_and_checked(backend):
     assert served_or_refused(compiled, sums_rows, base[:, :2]) == "served"
     assert served_or_refused(compiled, sums_rows, torch.randn(5, 4)[:, :2]) == "served"
     assert served_or_refused(compiled, sums_rows, torch.randn(5, 2)) in ("served", "refused")
+
+
+# -- a call in another syntax: served by the trace it matches, its rewrite worked out once ---------
+class Flag(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: bool = True) -> torch.Tensor:
+        return x * 2 if scale else x + 1
+
+
+def mix(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0, beta: float = 0.0) -> torch.Tensor:
+    return x * alpha + y * beta
+
+
+def counting_rewrites(monkeypatch) -> list[tuple[int, tuple[str, ...]]]:
+    """Each call shape ``call_check.rewrite`` works out, in order (the routing reads it by name)."""
+    from tessera import call_check
+
+    made: list[tuple[int, tuple[str, ...]]] = []
+    real = call_check.rewrite
+
+    def counted(signature, spec, num_args, keywords):
+        made.append((num_args, keywords))
+        return real(signature, spec, num_args, keywords)
+
+    monkeypatch.setattr(call_check, "rewrite", counted)
+    return made
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad enabled", "no_grad"])
+def test_a_call_in_another_syntax_is_served_by_the_trace_it_matches(grad):
+    model = Flag().eval()
+    compiled = tessera.compile(model, backend="eager", disable_cache=True)
+    x = torch.randn(4, 3)
+    with torch.set_grad_enabled(grad):
+        assert served_or_refused(compiled, model, x, True) == "served"
+        with tessera.counters.expect(graphs_traced=0):
+            for _ in range(3):
+                assert served_or_refused(compiled, model, x, scale=True) == "served"
+                assert served_or_refused(compiled, model, x) == "served"  # the default: True
+                assert served_or_refused(compiled, model, x=x, scale=True) == "served"
+                assert served_or_refused(compiled, model, scale=True, x=x) == "served"
+                assert served_or_refused(compiled, model, x, True) == "served"
+    assert len(compiled.traces) == 1
+
+
+def test_several_arguments_by_keyword_in_any_order_or_left_to_their_default():
+    compiled = tessera.compile(mix, backend="eager", disable_cache=True)
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    assert served_or_refused(compiled, mix, x, y, 1.0, beta=0.5) == "served"
+    with tessera.counters.expect(graphs_traced=0):
+        for _ in range(2):
+            assert served_or_refused(compiled, mix, x, y, beta=0.5) == "served"
+            assert served_or_refused(compiled, mix, x=x, y=y, beta=0.5, alpha=1.0) == "served"
+            assert served_or_refused(compiled, mix, x, y=y, alpha=1.0, beta=0.5) == "served"
+            assert served_or_refused(compiled, mix, beta=0.5, y=y, x=x) == "served"
+    assert len(compiled.traces) == 1
+    # Another value where the trace saw the default: traced again, not served by the first.
+    assert served_or_refused(compiled, mix, x, y, alpha=3.0, beta=0.5) == "served"
+    assert len(compiled.traces) == 2
+
+
+def test_the_rewrite_of_a_call_shape_is_worked_out_once(monkeypatch):
+    made = counting_rewrites(monkeypatch)
+    model = Flag().eval()
+    compiled = tessera.compile(model, backend="eager", disable_cache=True)
+    x = torch.randn(4, 3)
+    compiled(x, True)
+    made.clear()
+    for _ in range(5):
+        assert served_or_refused(compiled, model, x, scale=True) == "served"
+        assert served_or_refused(compiled, model, x) == "served"
+        with torch.no_grad():
+            assert served_or_refused(compiled, model, x, scale=True) == "served"
+    assert made == [(1, ("scale",)), (1, ())]  # once per shape, grad enabled or not
+    assert len(compiled.traces) == 1
+
+
+def test_a_remembered_shape_whose_check_fails_goes_the_slow_way():
+    """The route of a shape leads to the entry's own check: another value or size is traced (or
+    served by the entry that covers it), never served by the remembered entry."""
+    model = Flag().eval()
+    compiled = tessera.compile(model, backend="eager", disable_cache=True)
+    x = torch.randn(4, 3)
+    assert served_or_refused(compiled, model, x, True) == "served"
+    assert served_or_refused(compiled, model, x, scale=True) == "served"  # remembered
+    assert served_or_refused(compiled, model, x, scale=False) == "served"  # another value
+    assert len(compiled.traces) == 2
+    assert served_or_refused(compiled, model, torch.randn(4, 5), scale=True) == "served"  # another size
+    assert len(compiled.traces) == 3
+    for scale in (True, False, True):  # each served by the trace that covers it
+        assert served_or_refused(compiled, model, x, scale=scale) == "served"
+        assert served_or_refused(compiled, model, x, scale) == "served"
+        assert served_or_refused(compiled, model, torch.randn(4, 5), True) == "served"
+        assert served_or_refused(compiled, model, torch.randn(4, 6), scale=True) == "served"
+    assert len(compiled.traces) == 3
+
+
+def test_an_argument_the_trace_saw_left_to_its_default_is_checked_when_passed():
+    model = Flag().eval()
+    compiled = tessera.compile(model, backend="eager", disable_cache=True, max_traces=1)
+    x = torch.randn(4, 3)
+    assert served_or_refused(compiled, model, x) == "served"
+    assert served_or_refused(compiled, model, x, scale=True) == "served"  # its default: remembered
+    assert served_or_refused(compiled, model, x, True) == "served"
+    assert served_or_refused(compiled, model, x, scale=False) == "refused"
+    assert served_or_refused(compiled, model, x, False) == "refused"
+    assert served_or_refused(compiled, model, x, scale=True) == "served"
+
+
+def test_call_shapes_are_bounded_and_read_from_many_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tessera import call_check, call_shapes
+
+    routes: call_shapes.ShapeRoutes[Any] = call_shapes.ShapeRoutes(limit=4)
+    entry = types.SimpleNamespace(accepts=lambda args, kwargs: True)
+    for n in range(1, 10):
+        routes.remember((n, ()), entry, call_check.Rewrite((("args", 0),), ()))
+    assert len(routes) == 4  # the newest four shapes
+    assert routes.find((1,), {}) is None and routes.find((7,) * 9, {}) == (entry, (7,), {})
+    model = Flag().eval()
+    compiled = tessera.compile(model, backend="eager", disable_cache=True)
+    x = torch.randn(4, 3)
+    compiled(x, True)
+
+    def call(i: int) -> None:
+        kwargs = [{"scale": True}, {}, {"x": x, "scale": True}][i % 3]
+        got = compiled(**kwargs) if "x" in kwargs else compiled(x, **kwargs)
+        torch.testing.assert_close(got, x * 2)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(call, range(300)))
+    assert len(compiled.traces) == 1

@@ -64,7 +64,38 @@ class _Pickler(pickle.Pickler):
             return _resolve_op, (op_schema_name(obj), overload_of(obj))
         if isinstance(obj, _compat.OpOverloadPacket):
             return _resolve_op, (packet_name(obj), None)
+        if isinstance(obj, types.CodeType):
+            # A guard on a function's code (a wrapper's closure, Whisper's encoder): the call
+            # check compares it by value, so the code travels as marshal data for this Python.
+            return _load_code, (_CODE_TAG, marshal.dumps(obj))
+        if isinstance(obj, type) and obj in _TYPES_BY_NAME:
+            # ``type(x.__code__)`` and its kind: classes pickle by their builtins name, which
+            # these lack ("attribute lookup code on builtins failed").
+            return _interpreter_type, (_TYPES_BY_NAME[obj],)
         return NotImplemented
+
+
+# The interpreter's own classes that pickle cannot find by name, by their name in ``types``.
+_TYPES_BY_NAME: dict[type, str] = {
+    getattr(types, name): name
+    for name in ("CodeType", "FunctionType", "MethodType", "BuiltinFunctionType", "CellType", "ModuleType")
+}
+
+
+def _interpreter_type(name: str) -> type:
+    found = getattr(types, name)
+    if found not in _TYPES_BY_NAME:
+        raise ValueError(f"types.{name} is not one of the classes an artifact may name")
+    return found  # type: ignore[no-any-return]
+
+
+def _load_code(tag: str, data: bytes) -> types.CodeType:
+    if tag != _CODE_TAG:
+        raise ValueError(f"code saved by another Python ({tag}, this one is {_CODE_TAG})")
+    code = marshal.loads(data)
+    if not isinstance(code, types.CodeType):
+        raise ValueError("not a code object")
+    return code
 
 
 def _resolve_op(qualified: str, overload: str | None) -> Any:
@@ -326,11 +357,46 @@ def write_pointer(
         except (WarmStartUnavailable, OtherPath):
             entries = []
         entries.append({"entry": relative, "reason": reason, "model": model_sha})
+        old = _read_body(path)
         body: dict[str, Any] = {"entries": entries[-MAX_POINTER_ENTRIES:]}
-        learnt = _learnt_of(_read_body(path))
+        learnt = _learnt_of(old)
         if learnt:
             body["learnt"] = learnt
+        if isinstance(old.get("plan"), dict):
+            body["plan"] = old["plan"]
         atomic_write(path, json.dumps(body, indent=1).encode())
+
+
+def write_plan(root: Path, fingerprint: str, plan: dict[str, list[Any]]) -> None:
+    """Record what the model's traces found changing between calls (traces.TracePlan, as JSON
+    lists), merged with what other processes recorded: the next process traces a new kind of call
+    with those dims dynamic at once, as this one would (automatic dynamic across processes)."""
+    from filelock import FileLock
+
+    path = pointer_path(root, fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        body = _read_body(path)
+        if body.get("path") in PATHS or not body.get("entries"):
+            return  # no trace to widen yet, or a model on the guarded path
+        merged = read_plan_of(body)
+        for key, items in plan.items():
+            known = merged.setdefault(key, [])
+            known.extend(item for item in items if item not in known)
+        if merged != read_plan_of(body):
+            atomic_write(path, json.dumps({**body, "plan": merged}, indent=1).encode())
+
+
+def read_plan(root: Path, fingerprint: str) -> dict[str, list[Any]]:
+    """What ``write_plan`` recorded for ``fingerprint`` (empty when nothing was)."""
+    return read_plan_of(_read_body(pointer_path(root, fingerprint)))
+
+
+def read_plan_of(body: dict[str, Any]) -> dict[str, list[Any]]:
+    plan = body.get("plan")
+    if not isinstance(plan, dict):
+        return {}
+    return {str(k): list(v) for k, v in plan.items() if isinstance(v, list)}
 
 
 def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence[int]) -> None:
@@ -349,6 +415,8 @@ def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence
         learnt = _learnt_of(body)
         learnt[relative] = [int(s) for s in sizes]
         new = {"entries": body.get("entries", []), "learnt": learnt}
+        if isinstance(body.get("plan"), dict):
+            new["plan"] = body["plan"]
         atomic_write(path, json.dumps(new, indent=1).encode())
 
 

@@ -6,6 +6,7 @@ their faults are met: each failing call tried again after a pause, within one bu
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -171,6 +172,37 @@ def display(url: str) -> str:
         return url
     host = parts.hostname or ""
     return parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl()
+
+
+# The root cause obstore's Debug dump ends with (``message: "Connection refused"``), and the kind
+# when no message is given (``kind: ConnectionRefused``).
+_DUMP_MESSAGE = re.compile(r'\bmessage: "([^"\n]+)"')
+_DUMP_KIND = re.compile(r"\bkind: (\w+)")
+_SUMMARY_CHARS = 300
+
+
+def fault_summary(error: BaseException) -> str:
+    """A store's error as one readable line for a warning: its type, the first line of its message
+    and, from a multi-line debug dump (obstore's ``Debug source:``), the root cause in brackets.
+    The whole message goes to the DEBUG log where the fault is met."""
+    text = str(error).strip()
+    head, _, dump = text.partition("\n\nDebug source:")
+    lines = [line.strip() for line in head.splitlines() if line.strip()]
+    summary = " ".join(lines[0].split()) if lines else ""
+    if len(lines) > 1 and not dump:
+        dump = "\n".join(lines[1:])
+    found = _DUMP_MESSAGE.findall(dump) or _DUMP_KIND.findall(dump)
+    if found and found[-1] not in summary:
+        summary = f"{summary} ({found[-1]})" if summary else found[-1]
+    if len(summary) > _SUMMARY_CHARS:
+        summary = summary[: _SUMMARY_CHARS - 3].rstrip() + "..."
+    return f"{type(error).__name__}: {summary}" if summary else type(error).__name__
+
+
+def fault(store: str, what: str, error: BaseException) -> str:
+    """``what failed (the error in one line)``; the error's whole text logged at DEBUG."""
+    log.debug("%s: %s failed: %s: %s", store, what, type(error).__name__, error)
+    return f"{what} failed ({fault_summary(error)})"
 
 
 def warn_fault(store: str, what: str, consequence: str) -> None:

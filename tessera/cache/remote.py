@@ -34,7 +34,15 @@ import filelock
 
 from tessera import counters
 from tessera.cache import trust
-from tessera.cache.blobstore import NAMESPACE, BlobStore, FaultBudget, RedisStore, display, warn_fault
+from tessera.cache.blobstore import (
+    NAMESPACE,
+    BlobStore,
+    FaultBudget,
+    RedisStore,
+    display,
+    fault,
+    warn_fault,
+)
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.cache.objectstore import LeasesApart, ObjectStore
@@ -83,7 +91,7 @@ class RemoteTier:
             return self.faults.call(what, op, *args)
         except self.store.errors as e:
             self.broken = True
-            warn_fault(self.name, f"{what} failed ({type(e).__name__}: {e})", "using the local cache only")
+            warn_fault(self.name, fault(self.name, what, e), "using the local cache only")
             log.info("%s: off after %.1fs lost to its faults; local cache only", self.name, self.faults.spent)
             return None
 
@@ -421,7 +429,7 @@ class RemoteTier:
                 return False
             trouble.append("its lease vanished while it compiled (taken again)")
         except self.store.errors as e:
-            trouble.append(f"renewing its lease failed ({type(e).__name__}: {e})")
+            trouble.append(fault(self.name, "renewing its lease", e))
         return True
 
 
@@ -503,9 +511,7 @@ def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None
     except ConfigError:
         raise
     except Exception as e:  # obstore refused it: a directory it cannot make, a URL it cannot use
-        warn_fault(
-            display(url), f"opening the store failed ({type(e).__name__}: {e})", "using the local cache only"
-        )
+        warn_fault(display(url), fault(display(url), "opening the store", e), "using the local cache only")
         return None
     if leases:
         store = LeasesApart(store, RedisStore(leases, timeout))
