@@ -437,6 +437,7 @@ class PiecewiseBackend:
             partitions=_partitions(self.compiler, artifacts.get(None)),
         )
         runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
+        runner.as_traced = item.graph.forward
         split_gm.__dict__[item.name] = self._install_runner(record, runner)
 
     # -- serve first, specialise after ----------------------------------------------------------

@@ -105,9 +105,12 @@ class CompileConfig:
     check_inputs: bool = True  # compare every call with what the trace assumed (see call_check.py)
     # Traces one model may hold (traces.py): a call no trace covers is traced again, as Dynamo
     # recompiles, up to this many; past it the call is refused naming every trace and why it was
-    # made. 1: trace once and refuse any call unlike the first (never a re-trace). Dynamo's
-    # recompile limit is 8.
-    max_traces: int = field(default_factory=lambda: v.env_value("MAX_TRACES", 8, int, v.check_max_traces))
+    # made. 1: trace once and refuse any call unlike the first (never a re-trace). 16, not
+    # Dynamo's recompile limit of 8: traces converge (a size that changed is dynamic from then on),
+    # so they count the kinds of call, and a generate() loop has more than 8 (prefill and decode,
+    # with and without a mask, sizes of 1 traced apart); past its limit stock torch.compile runs
+    # eager without a word, where tessera refuses.
+    max_traces: int = field(default_factory=lambda: v.env_value("MAX_TRACES", 16, int, v.check_max_traces))
     # Sizes learnt from traffic (learn.py): a size that holds auto_sizes_share of recent calls is
     # compiled statically in the background and swapped in, at most auto_sizes of them per trace
     # (the coldest retired for a hotter one), and the next process loads them at once. 0: none;

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tessera import counters
 from tessera._compat import is_constant_symint, sym_expr
 from tessera.config import TRACED_LABEL, Size, SizeRange, size_label
-from tessera.errors import ConfigError, SizeNotCompiledError
+from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,11 @@ class PieceRecord:
         return tuple(label for label, _ in self.compile_seconds)
 
 
+# How Inductor's generated code starts the message of its input assert (torch 2.11-2.15:
+# ``assert_size_stride``): "expected size 2==2, stride 16==112 at dim=1".
+_INDUCTOR_INPUT_ASSERT = "expected size"
+
+
 class _Artifact:
     __slots__ = ("fn", "label", "served")
 
@@ -132,6 +139,10 @@ class PieceRunner:
         self._exact: dict[int, _Artifact] = {s: a for s, a in self._artifacts.items() if isinstance(s, int)}
         self._memo: dict[int, _Artifact] = dict(self._exact)
         self.tally: SizeTally | None = None  # the model's size counter, on its first sized piece
+        # The piece as traced (its FX graph, eager kernels), where the process has it: what runs a
+        # call whose inputs a compiled artifact refuses (see _as_traced). None when loaded.
+        self.as_traced: Callable[..., Any] | None = None
+        self._warned = False
         if size_source is None and self._general is None:
             raise ConfigError(f"piece {name} has no dynamic size, so it needs a general artifact")
 
@@ -150,7 +161,29 @@ class PieceRunner:
                 self.tally.seen(size, artifact.label)
         assert artifact is not None, f"{self.name}: no artifact chosen"
         artifact.served += 1
-        return artifact.fn(*args)
+        try:
+            return artifact.fn(*args)
+        except AssertionError as e:
+            if self.as_traced is None or not str(e).startswith(_INDUCTOR_INPUT_ASSERT):
+                raise
+            return self._as_traced(e, args)
+
+    def _as_traced(self, error: AssertionError, args: tuple[Any, ...]) -> Any:
+        """A compiled artifact refused its inputs (Inductor's own size and stride assert, before
+        any kernel ran): the piece runs as traced, eager's kernels on any layout, and says so once.
+        A call's check should never let such inputs through: the warning is a bug to report."""
+        assert self.as_traced is not None, "checked by the caller"
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"tessera: piece {self.name} was handed inputs its compiled code was not made for "
+                f"({str(error).splitlines()[0]}); it runs as traced (eager's kernels) for such calls. "
+                "Results are correct; please report this",
+                FallbackWarning,
+                stacklevel=3,
+            )
+        counters.bump("artifact_fallbacks")
+        return self.as_traced(*args)
 
     def add(self, size: Size, fn: Callable[..., Any]) -> None:
         """Swap in an artifact compiled after the first output (a background compile). Each

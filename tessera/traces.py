@@ -186,6 +186,7 @@ class Traces:
         # Traces an earlier process saved, not yet needed: one becomes an entry at the first call
         # it covers, within max_traces (the limit counts what serves, wherever it was traced).
         self.held: list[TraceEntry] = []
+        self._numbered = 0  # the last number given to an entry (entries are numbered as made)
         self.last: TraceEntry | None = None
         self.plan = TracePlan()
         self.soft_dims = False  # set by presets (tessera.hf): suggested dims, "maybe dynamic"
@@ -247,13 +248,35 @@ class Traces:
             changed = self._changed_since_every_entry(args, kwargs)
             self.plan = self._widened(self.plan, args, kwargs, [*mismatches, *changed])
             try:
-                return self._trace(args, kwargs, reason)
+                output = self._trace(args, kwargs, reason)
             except SizeFixedError as e:
                 # The code fixes the size of a dim marked dynamic: marked "maybe dynamic" from
                 # now on, Dynamo keeps it static, and each size it fixes is an entry of its own.
                 log.info("%s: %s; its size is traced as the code fixes it", self.model.name, e)
                 self.plan = dataclasses.replace(self.plan, soft=True)
-                return self._trace(args, kwargs, reason)
+                output = self._trace(args, kwargs, reason)
+            self._retire_widened(mismatches)
+            return output
+
+    def _retire_widened(self, mismatches: list[tuple[call_check.Assumption, Any]]) -> None:
+        """The nearest entry, held back when the new one differs from it only by sizes it made
+        dynamic: the new trace serves its calls (a prompt's first length, the first decode step),
+        so it no longer counts against ``max_traces``. Held, not dropped: a call only it covers
+        (a size the new trace bounds from below) takes it back, within the limit."""
+        new = self.entries[-1] if self.entries else None
+        if new is None or not mismatches:
+            return
+        old = next((e for e in self.entries[:-1] if mismatches[0][0] in e.spec.assumptions), None)
+        if old is None or old.backend is new.backend:
+            return
+        kept = {a.expr for a in new.spec.assumptions}
+        if all(
+            not a.floor and not a.state and _changed_dims(a, found) and a.expr not in kept
+            for a, found in mismatches
+        ):
+            self.entries = tuple(e for e in self.entries if e is not old)
+            self.held.append(old)
+            self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
 
     def _eager_errors_first(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -405,19 +428,23 @@ class Traces:
         )
         warm.save_plan(context.root, context.fingerprint, plan_to_json(self.plan))
 
+    def _next_number(self) -> int:
+        self._numbered += 1
+        return self._numbered
+
     def _take_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
         """The output of a saved trace that covers this call, made one of the model's entries (it
         counts against ``max_traces`` from then on, as a trace made here would); None if none does.
         A saved trace past the limit is refused as a new trace would be."""
         with self._lock:
-            for held in list(self.held):
+            for held in reversed(self.held):  # the newest first: the widest
                 served = self._serve_existing(args, kwargs, among=[held], serve=False)
                 if served is None:
                     continue
                 if len(self.entries) >= self.config.max_traces:
                     return None  # the caller refuses it, naming the limit
                 self.held.remove(held)
-                entry = dataclasses.replace(held, number=len(self.entries) + 1)
+                entry = dataclasses.replace(held, number=self._next_number())
                 self.entries = (*self.entries, entry)
                 return self._serve_existing(args, kwargs, among=[entry])
         return None
@@ -459,7 +486,7 @@ class Traces:
                 warm.save_sizes, context.root, context.fingerprint, context.remote
             )
         entry = TraceEntry(
-            number=len(self.entries) + 1,
+            number=self._next_number(),
             reason=reason,
             spec=spec,
             fast=fast,
