@@ -321,7 +321,9 @@ def test_a_warm_process_generates_the_same_tokens_without_tracing(tmp_path, cach
     cold, warm = run("cold.pt"), run("warm.pt")
     assert cold["counters"]["graphs_traced"] >= 2 and cold["served"] > 0
     assert warm["counters"]["graphs_traced"] == 0 and warm["counters"].get("inductor_compiles", 0) == 0
-    assert warm["warm_start"] == [True] and warm["served"] == cold["served"]
+    # Every call the cold process served compiled, the warm one does too (a trace the cold one
+    # held back, made redundant by a wider one, leaves a call of its trace to the wider one).
+    assert warm["warm_start"] == [True] and warm["served"] >= cold["served"]
     cold_out, warm_out = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
     for got, eager, again in zip(cold_out["tokens"], cold_out["eager"], warm_out["tokens"], strict=True):
         assert torch.equal(got, eager) and torch.equal(again, got)
