@@ -393,9 +393,10 @@ class Traces:
         if backend.dumps is not None:
             backend.dumps.transformed_code(trace.code)
         fast = functools.partial(trace.call, model.target)
-        entry = self._add(
+        entry = self._entry(
             spec, fast, backend, reason, loaded=False, code=trace.code, mutated=mutated, timed=(wall, seconds)
         )
+        self.entries = (*self.entries, entry)
         self._serving(entry)
         if len(self.entries) > 1:
             self._say(
@@ -448,24 +449,6 @@ class Traces:
                 self.entries = (*self.entries, entry)
                 return self._serve_existing(args, kwargs, among=[entry])
         return None
-
-    def _add(
-        self,
-        spec: call_check.CallSpec,
-        fast: Callable[..., Any],
-        backend: PiecewiseBackend,
-        reason: str,
-        *,
-        loaded: bool,
-        code: types.CodeType | None = None,
-        mutated: frozenset[tuple[str, str]] = frozenset(),
-        timed: tuple[float, float] = (0.0, 0.0),
-    ) -> TraceEntry:
-        entry = self._entry(
-            spec, fast, backend, reason, loaded=loaded, code=code, mutated=mutated, timed=timed
-        )
-        self.entries = (*self.entries, entry)
-        return entry
 
     def _entry(
         self,
