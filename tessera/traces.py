@@ -683,7 +683,7 @@ class Traces:
             with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
                 return self.route(args, kwargs)
         found = self.shapes.find(args, kwargs)  # a shape served before in another syntax
-        if found is not None:
+        if found is not None and any(e is found[0] for e in self.entries):  # not one held back
             entry, n_args, n_kwargs = found
             self._serving(entry)
             return entry.fast(*n_args, **n_kwargs)
