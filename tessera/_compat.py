@@ -628,6 +628,23 @@ def is_constant_symint(value: torch.SymInt) -> bool:
     return not sym_expr(value).free_symbols
 
 
+def size_hint(value: int | torch.SymInt) -> int:
+    """The example value behind a size or stride: a SymInt's hint, an int itself."""
+    if isinstance(value, int):
+        return value
+    try:  # torch 2.13 renamed hint_int to optimization_hint
+        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
+    except ImportError:  # torch 2.11-2.12
+        from torch.fx.experimental.symbolic_shapes import hint_int as hint  # type: ignore[attr-defined,no-redef]
+    return int(hint(value))
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` views another's storage (``Tensor._is_view``, torch 2.11-2.15; fake
+    tensors answer as the real ones would)."""
+    return bool(tensor._is_view())
+
+
 # The classes of ``torch.ops.ns.op`` and ``torch.ops.ns.op.overload`` (torch._ops, 2.11-2.13).
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket

@@ -229,6 +229,9 @@ class InductorCompiler:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "python": platform.python_version(),
             "machine": machine_factors(),
+            # What tessera writes into a graph before Inductor sees it (layout.keep_eager_layouts);
+            # raise when that changes, so that artifacts compiled without it are not loaded.
+            "graph_rewrites": 1,
         }
 
     def key_record(self) -> KeyRecord:
@@ -278,8 +281,11 @@ class InductorCompiler:
             specs = config.splitting_ops if config.splitting_ops is not None else default_splitting_ops()
             patches["graph_partition"] = True
             patches["custom_should_partition_ops"] = list(partition_op_names(specs))
+        from tessera.layout import keep_eager_layouts
+
+        laid_out = keep_eager_layouts(graph)
         with _compat.trusted_vec_isa(self._probe_recorded()):
-            artifact = _compat.standalone_compile(graph, list(example_inputs), dynamic_shapes, patches)
+            artifact = _compat.standalone_compile(laid_out, list(example_inputs), dynamic_shapes, patches)
         counters.bump("inductor_compiles")
         self._record_probe()
         standard = _standard_bytes(artifact) if self.cache_dir is not None else b""

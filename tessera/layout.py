@@ -1,8 +1,9 @@
-"""Keeping splitting-op outputs in the memory layout the compiled pieces after them expect.
+"""Keeping tensors in the memory layout they were traced with, which is eager's.
 
-A compiled piece is specialised to its inputs' strides as the op's fake kernel reported them, but
-the real kernel may pick another layout at run time (CPU SDPA: math vs flash), so outputs whose
-strides differ are copied into the expected layout.
+Two places where the layout may drift: a splitting op's real kernel may pick another layout than
+its fake kernel reported (CPU SDPA: math vs flash), so its outputs whose strides differ are copied
+into the expected layout (LayoutKeeper); and Inductor may lay out a compiled piece's output its own
+way, so the graph it compiles says eager's layout (keep_eager_layouts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from tessera._compat import sym_expr
+from tessera._compat import is_view, size_hint, sym_expr
 from tessera.piece import SizeSource, find_size_source
 
 _MEMO_LIMIT = 4096
@@ -115,3 +116,91 @@ def _relayout(value: Any, stride: Sequence[int] | None) -> Any:
     if all(a == b or n <= 1 for a, b, n in zip(value.stride(), stride, value.shape, strict=True)):
         return value
     return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def output_order(value: Any) -> tuple[int, ...] | None:
+    """The dim order (outermost stride first) of a dense tensor that views no other: the layout
+    it was traced with, eager's. None where the order alone does not say its strides."""
+    if not isinstance(value, torch.Tensor) or is_view(value):
+        return None
+    shape = [size_hint(n) for n in value.shape]
+    strides = [size_hint(n) for n in value.stride()]
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    expected = 1
+    for dim in reversed(order):
+        if shape[dim] != 1:  # a size-1 dim's stride means nothing
+            if strides[dim] != expected:
+                return None
+            expected *= shape[dim]
+    return order
+
+
+def keep_eager_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a piece's graph that lays out each output (or the tensor an output views) the
+    way it was traced, which is eager's layout, for Inductor to compile.
+
+    Inductor is free to lay out an intermediate its own way and keeps an output's strides only as
+    its own decompositions report them, which may differ from eager's: ``cat`` with an empty
+    tensor (a Hugging Face cache's first update) becomes a clone of the other input, in that
+    input's layout, where eager returns a contiguous tensor. A model's state (a KV cache) would then
+    be laid out one way while the piece serves as traced and another once it serves compiled, and a
+    trace made in one process would not fit the next's calls. Saying the layout in the graph
+    (``permute(order).contiguous().permute(back)``, a no-op where the layouts already agree) makes
+    Inductor write it. The graph given is left as it is (it serves as traced and in dumps).
+    """
+    graph = gm.graph
+    output = next(iter(reversed(graph.nodes)))
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    bases: dict[torch.fx.Node, tuple[int, ...]] = {}
+    for node in returned:
+        base = _viewed_node(node) if isinstance(node, torch.fx.Node) else None
+        if base is None or base.op == "placeholder":  # an input's layout is the caller's
+            continue
+        order = output_order(base.meta.get("example_value"))
+        if order is not None:
+            bases[base] = order
+    if not bases:
+        return gm
+    copied = torch.fx.Graph()
+    values: dict[torch.fx.Node, torch.fx.Node] = {}
+    copied_output = copied.graph_copy(graph, values)
+    copied.output(copied_output)
+    for base, order in bases.items():
+        node = values[base]
+        back = tuple(sorted(range(len(order)), key=order.__getitem__))
+        identity = order == tuple(range(len(order)))
+        with copied.inserting_after(node):
+            first = node if identity else copied.call_method("permute", (node, order))
+        with copied.inserting_after(first):
+            laid = copied.call_method("contiguous", (first,))
+        last = laid
+        if not identity:
+            with copied.inserting_after(laid):
+                last = copied.call_method("permute", (laid, back))
+        # Inductor finds the trace's fake mode on the outputs' example values, and the layout
+        # written is the one traced: the base's own example value stands for the last node.
+        # (The base is laid out in ``order``, so its permutation is already contiguous.)
+        value = node.meta["example_value"]
+        permuted = value if identity else value.permute(order)
+        if first is not node:
+            first.meta["example_value"] = permuted
+        laid.meta["example_value"] = permuted
+        last.meta["example_value"] = value
+        made = {first, laid, last} - {node}
+        node.replace_all_uses_with(last, delete_user_cb=lambda user, made=made: user not in made)
+    copied.lint()
+    laid_out = torch.fx.GraphModule(gm, copied)
+    laid_out.meta.update(gm.meta)  # what Inductor reads of the trace (its shape environment)
+    return laid_out
+
+
+def _viewed_node(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose tensor ``node``'s tensor views (itself when it views nothing); None when the
+    chain of views cannot be followed back (a view made by something other than its first input)."""
+    value = node.meta.get("example_value")
+    while isinstance(value, torch.Tensor) and is_view(value):
+        first = node.args[0] if node.args else None
+        if node.op not in ("call_function", "call_method") or not isinstance(first, torch.fx.Node):
+            return None
+        node, value = first, first.meta.get("example_value")
+    return node if isinstance(value, torch.Tensor) else None

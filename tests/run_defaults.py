@@ -49,6 +49,40 @@ def _sdpa() -> tuple[torch.nn.Module, Check]:
     return model, calls
 
 
+class Cached(torch.nn.Module):
+    """Attention over a cache it returns, grown with ``cat`` as Hugging Face's DynamicCache grows
+    it (the first step cats onto an empty tensor): eager returns it contiguous where Inductor, left
+    alone, returns the new keys' transposed layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, _ = x.shape
+        new = self.kv(x).view(batch, length, 4, 8).transpose(1, 2)
+        cache = torch.cat([cache, new], dim=-2)
+        attended = F.scaled_dot_product_attention(new, cache, cache)
+        return attended.transpose(1, 2).reshape(batch, length, 32), cache
+
+
+def _kv_cache() -> tuple[torch.nn.Module, Check]:
+    torch.manual_seed(0)
+    model = Cached().eval()
+
+    def steps(fn: Callable[..., Any]) -> list[Any]:
+        out = []
+        for batch in (1, 3):
+            cache = torch.empty(batch, 4, 0, 8)
+            for length in (7, 1, 1, 1):  # a prefill, then decode steps on the returned cache
+                x = torch.randn(batch, length, 32, generator=torch.Generator().manual_seed(length))
+                hidden, cache = fn(x, cache)
+                out += [hidden, cache]
+        return out
+
+    return model, steps
+
+
 def _encoder(family: str) -> tuple[torch.nn.Module, Check]:
     import transformers
 
@@ -125,24 +159,36 @@ def _generate(family: str) -> tuple[torch.nn.Module, Check, Callable[[torch.nn.M
     return model, generations, install
 
 
-CASES = ("sdpa", "bert", "roberta", "distilbert", "whisper", "llama", "qwen2", "mistral", "gemma3")
+_MODELS = ("sdpa", "kv_cache", "bert", "roberta", "distilbert", "whisper")  # called, not generate()
+CASES = (
+    "sdpa",
+    "kv_cache",
+    "bert",
+    "roberta",
+    "distilbert",
+    "whisper",
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma3",
+)
 
 
 def run(case: str) -> dict[str, Any]:
     if case == "sdpa":
         model, calls = _sdpa()
+    elif case == "kv_cache":
+        model, calls = _kv_cache()
     elif case in ("bert", "roberta", "distilbert", "whisper"):
         model, calls = _encoder(case)
     else:
         model, calls, install = _generate(case)
     model.requires_grad_(False)
-    expected = calls(
-        model.generate if case not in ("sdpa", "bert", "roberta", "distilbert", "whisper") else model
-    )
+    expected = calls(model.generate if case not in _MODELS else model)
     tessera.counters.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", tessera.TesseraWarning)
-        if case in ("sdpa", "bert", "roberta", "distilbert", "whisper"):
+        if case in _MODELS:
             compiled = tessera.compile(model, prefix=case)
             got = calls(compiled)
         else:
@@ -150,6 +196,9 @@ def run(case: str) -> dict[str, Any]:
             got = calls(model.generate)
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(a, b, msg=lambda m, i=i: f"{case} call {i}: {m}")
+        # Eager's layout too: an output fed back as the next call's input (a cache) must not
+        # be laid out one way while a piece serves as traced and another once it is compiled.
+        assert a.stride() == b.stride(), f"{case} output {i}: strides {a.stride()}, eager's {b.stride()}"
     return {
         "traces": len(compiled.traces),
         "loaded": sum(e.loaded for e in compiled.traces),

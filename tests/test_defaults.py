@@ -13,16 +13,25 @@ import torch
 import tessera
 from tests.child import run_json
 
+GROUPS = {
+    # two sequence lengths; a cache fed back (prefill, then decode steps); batch x length; batches
+    "models": ("sdpa", "kv_cache", "bert", "roberta", "distilbert", "whisper"),
+    # generate() through the model.forward idiom: prompts of several batches and lengths, padded
+    "generate": ("llama", "qwen2", "mistral", "gemma3"),
+}
+
 
 @pytest.mark.inductor
 @pytest.mark.slow
-def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path):
-    cases = ("sdpa", "bert", "whisper")  # two sequence lengths; batch x length; batches
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path, group):
+    pytest.importorskip("transformers", reason="install tessera[hf] (make test does)")
+    cases = GROUPS[group]
 
     def run() -> dict:
         return run_json("tests.run_defaults", *cases, cache=tmp_path / "c", TESSERA_BACKGROUND_COMPILE="1")
 
-    cold, warm = run(), run()  # each compares every output with eager's
+    cold, warm = run(), run()  # each compares every output with eager's, strides too
     for case in cases:
         assert cold[case]["counters"]["graphs_traced"] >= 1, case
         assert warm[case]["counters"].get("graphs_traced", 0) == 0, (case, warm[case])

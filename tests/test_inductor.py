@@ -50,3 +50,37 @@ def test_trace_once_inductor_general_artifact_serves_every_size():
             torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
     (record,) = compiled.pieces
     assert dict(record.served) == {"general": 3}  # size 1 too: the trace is size-oblivious
+
+
+class SlidingCache(torch.nn.Module):
+    """Grows a cache with ``cat`` as Hugging Face's caches do (the first step cats onto an empty
+    1-D tensor) and keeps a window of it (a view of the grown cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, _ = x.shape
+        new = self.kv(x).view(batch, length, 4, 8).transpose(1, 2)
+        grown = torch.cat([cache, new], dim=-2)
+        return torch.nn.functional.scaled_dot_product_attention(new, grown, grown), grown[:, :, -6:]
+
+
+def test_compiled_outputs_keep_eagers_layout_cold_and_warm(tmp_path):
+    """Inductor compiles ``cat`` with an empty tensor to a copy of the other input in that input's
+    layout; eager returns a contiguous tensor. A cache fed back to the model must be laid out as
+    eager lays it out, or a process serving compiled pieces meets calls its traces did not see."""
+    torch.manual_seed(0)
+    model = SlidingCache().eval().requires_grad_(False)
+    for process in ("cold", "warm"):
+        torch._dynamo.reset()
+        compiled = tessera.compile(model, backend="inductor", cache_dir=str(tmp_path))
+        for batch, length in ((2, 7), (3, 9)):
+            x = torch.randn(batch, length, 32)
+            empty = torch.tensor([])  # what a lazily initialised Hugging Face cache holds
+            got, expected = compiled(x, empty), model(x, empty)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b)
+                assert a.stride() == b.stride(), (process, batch, length, a.stride(), b.stride())
+        assert compiled.warm_start == (process == "warm")
