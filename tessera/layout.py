@@ -186,12 +186,21 @@ def keep_eager_layouts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             first.meta["example_value"] = permuted
         laid.meta["example_value"] = permuted
         last.meta["example_value"] = value
-        made = {first, laid, last} - {node}
-        node.replace_all_uses_with(last, delete_user_cb=lambda user, made=made: user not in made)
+        made = frozenset({first, laid, last} - {node})
+        node.replace_all_uses_with(last, delete_user_cb=_not_in(made))
     copied.lint()
     laid_out = torch.fx.GraphModule(gm, copied)
     laid_out.meta.update(gm.meta)  # what Inductor reads of the trace (its shape environment)
     return laid_out
+
+
+def _not_in(made: frozenset[torch.fx.Node]) -> Callable[[torch.fx.Node], bool]:
+    """Which users of a node take the laid-out copy: all but the nodes that make it."""
+
+    def takes_copy(user: torch.fx.Node) -> bool:
+        return user not in made
+
+    return takes_copy
 
 
 def _viewed_node(node: torch.fx.Node) -> torch.fx.Node | None:
