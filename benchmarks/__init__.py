@@ -1,7 +1,6 @@
 """tessera's benchmarks: a package of the source repository, not shipped in the wheel.
 
-Run each from the repository root as ``python -m benchmarks.<name>`` (``tessera bench`` runs
-``benchmarks.steady_state`` when the repository is at hand). Each prints JSON and compares
+Run each from the repository root as ``python -m benchmarks.<name>``. Each prints JSON and compares
 tessera with eager and stock ``torch.compile`` in the same run. (Results recorded before the
 package existed name the old form, ``python benchmarks/<name>.py``: the same benchmark.)
 """
@@ -15,10 +14,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = str(Path(__file__).resolve().parents[1])
-# Benchmarks measure in fresh processes (``python -m benchmarks.<name> --child ...``): those
-# find this package from any working directory.
-if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a benchmark's fresh process (``python -m benchmarks.<name> --child``):
+    this one's, with the repository on ``PYTHONPATH`` so that the child finds this package from
+    any working directory, and ``extra`` set. This process's own environment is left alone."""
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    python_path = os.pathsep.join(filter(None, [ROOT, *[p for p in paths if p != ROOT]]))
+    return {**os.environ, "PYTHONPATH": python_path, **extra}
 
 
 def header(name: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import header
+from benchmarks import child_env, header
 from benchmarks.startup import TOY_WIDTH
 
 IMPLS = ("stock", "tessera_background", "tessera_up_front")
@@ -113,7 +113,7 @@ def size_one(layers: int) -> dict[str, Any]:
     out: dict[str, Any] = {"layers": layers}
     with tempfile.TemporaryDirectory() as scratch:
         env = {
-            **os.environ,
+            **child_env(),
             "TESSERA_CACHE_DIR": os.path.join(scratch, "tessera"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
             "TESSERA_PROGRESS": "0",
@@ -144,7 +144,7 @@ def size_one(layers: int) -> dict[str, Any]:
 def run(impl: str, layers: int, workers: int | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
         env = {
-            **os.environ,
+            **child_env(),
             **({"TESSERA_COMPILE_WORKERS": str(workers)} if workers is not None else {}),
             "TESSERA_CACHE_DIR": os.path.join(scratch, "tessera"),
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),

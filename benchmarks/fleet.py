@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import header
+from benchmarks import child_env, header
 
 LAYERS = 4
 WIDTH = 128
@@ -104,7 +104,7 @@ def replicas(scratch: Path, count: int, remote: str | None) -> dict[str, Any]:
     barrier.mkdir()
     procs = []
     for i in range(count):
-        env = dict(os.environ, TESSERA_CACHE_DIR=str(scratch / f"local{i}"))
+        env = child_env(TESSERA_CACHE_DIR=str(scratch / f"local{i}"))
         env["TORCHINDUCTOR_CACHE_DIR"] = str(scratch / f"inductor{i}")  # a fresh node each
         env.pop("TESSERA_CACHE_REMOTE", None)
         if remote:
@@ -139,9 +139,7 @@ def ranks(scratch: Path, count: int, remote: str | None, per_rank_roots: bool) -
     (as ranks on separate machines would have), with or without the Redis tier."""
     out = scratch / "out"
     out.mkdir()
-    env = dict(
-        os.environ, TESSERA_CACHE_DIR=str(scratch / "root"), TORCHINDUCTOR_CACHE_DIR=str(scratch / "ind")
-    )
+    env = child_env(TESSERA_CACHE_DIR=str(scratch / "root"), TORCHINDUCTOR_CACHE_DIR=str(scratch / "ind"))
     env.pop("TESSERA_CACHE_REMOTE", None)
     if remote:
         env["TESSERA_CACHE_REMOTE"] = remote

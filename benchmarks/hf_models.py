@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from benchmarks import header
+from benchmarks import child_env, header
 
 LENGTHS = (16, 64)
 FAMILIES = ("llama", "mistral", "qwen2", "gemma3", "phi3", "gpt2")
@@ -86,7 +85,7 @@ def child(family: str, impl: str) -> dict[str, Any]:
 
 def _run(family: str, impl: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as inductor_dir:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
+        env = child_env(TORCHINDUCTOR_CACHE_DIR=inductor_dir)
         cmd = [sys.executable, "-m", "benchmarks.hf_models", "--child", family, impl]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if proc.returncode != 0:

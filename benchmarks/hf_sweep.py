@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import header
+from benchmarks import child_env, header
 
 LENGTHS = (5, 9, 16)
 # Tiny sizes, set on every config that has the attribute (each family names its own).
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", "benchmarks.hf_sweep", "--one", family],
+                env=child_env(),
                 capture_output=True,
                 text=True,
                 timeout=timeout,

@@ -25,7 +25,6 @@ import argparse
 import compileall
 import gc
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import header
+from benchmarks import child_env, header
 
 TOY_WIDTH: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 8, "num_kv_heads": 4}
 HF_SIZES: dict[str, Any] = {
@@ -184,7 +183,7 @@ def _build(name: str) -> tuple[Any, tuple[Any, ...], dict[str, Any], bool]:
 def _run(
     impl: str, model: str, env_dirs: dict[str, str], mega: str | None, state: str = STATES[0]
 ) -> dict[str, Any]:
-    env = dict(os.environ, **env_dirs)
+    env = child_env(**env_dirs)
     cmd = [sys.executable, "-m", "benchmarks.startup", "--child", impl, "--model", model, "--state", state]
     if mega:
         cmd += ["--mega", mega]
@@ -258,7 +257,7 @@ def load_paths(repeats: int) -> dict[str, Any]:
         for case, inductor in (("inductor_cache_warm", f"{scratch}/ind"), ("inductor_cache_empty", None)):
             samples = []
             for i in range(repeats):
-                run_env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor or f"{scratch}/empty{i}")
+                run_env = child_env(TORCHINDUCTOR_CACHE_DIR=inductor or f"{scratch}/empty{i}")
                 cmd = [sys.executable, "-m", "benchmarks.startup", "--child-load-paths", str(entry)]
                 proc = subprocess.run(
                     cmd, env=run_env, capture_output=True, text=True, timeout=1800, check=True

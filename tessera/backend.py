@@ -46,9 +46,9 @@ from tessera.cache.key import (
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.call_check import CallSpec
+from tessera.compile_jobs import JobDone, JobFailed
 from tessera.compile_pool import CompilePool, Reply, default_count, shared_pool
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.compile_worker import JobDone, JobFailed
 from tessera.compilers import (
     Compiler,
     CompilesInWorkers,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tessera.compile_worker import READY, JobDone, JobFailed, PieceJob, read_message, write_message
+from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
 
 log = logging.getLogger(__name__)
 

@@ -1,109 +1,31 @@
 """A compile worker: a process of its own that compiles one piece at one static size per job.
 
-Started by ``compile_pool.CompilePool`` as ``python -c "...compile_worker import main; main()"`` (so
-that the records it pickles are this module's, not ``__main__``'s). Jobs arrive on stdin
-and results leave on the original stdout, each a length-prefixed pickle; everything the compile
-itself prints goes to stderr. The worker writes the piece file into the cache entry exactly as an
-in-process compile would (``InductorCompiler.compile``), and the parent loads it from there: the
-cache holds the same bytes whichever process compiled.
+Started by ``compile_pool.CompilePool`` as ``python -c "...compile_worker import main; main()"``.
+Jobs arrive on stdin and results leave on the original stdout, as ``compile_jobs.py`` frames them;
+everything the compile itself prints goes to stderr. The worker writes the piece file into the cache
+entry exactly as an in-process compile would (``InductorCompiler.compile``), and the parent loads it
+from there: the cache holds the same bytes whichever process compiled.
 
-Only static sizes are sent here: their example inputs are plain shapes (``TensorSpec``), while a
-general or range compile needs the trace's symbolic shapes, which do not cross a process boundary.
+Only static sizes are sent here (see compile_jobs.py).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import struct
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import IO, Any
 
-import torch
-
-# The environment a job's compile reads its Inductor cache location from: the parent's at the time
-# of the job (a test, or a caller, may point it elsewhere after the worker started).
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-_HEADER = struct.Struct(">Q")
-# The worker's first message, once it has imported what a compile needs: the parent knows it
-# started a working worker (not, say, an embedding server's binary that sys.executable names).
-READY = "tessera compile worker ready"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a compile at a static size needs of an example tensor: its layout, not its values."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: str
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, str(tensor.device))
-
-
-@dataclass(frozen=True)
-class PieceJob:
-    """One piece to compile at one static size, and where its piece file goes."""
-
-    graph: torch.fx.GraphModule
-    inputs: tuple[Any, ...]  # TensorSpec for each tensor, the value itself otherwise
-    config: Any  # CompileConfig (typed loosely: this module is imported without tessera.config)
-    size: int
-    key: str  # the piece file's name in the entry (the artifact cache's scratch name)
-    cache_dir: str
-    machine_record: str | None
-    roots: tuple[str, ...] = ()  # the parent's cache roots: the worker's writer lock goes there
-    env: dict[str, str] = field(default_factory=dict)
-    state: Any = None  # the traced call's CompileState: the compile runs under it (None: as is)
-
-
-@dataclass(frozen=True)
-class JobDone:
-    """A compiled piece: its file's name in the entry (None: not saved), time and counters."""
-
-    handle: str | None
-    seconds: float
-    counts: dict[str, int]
-    pid: int
-
-
-@dataclass(frozen=True)
-class JobFailed:
-    """A compile that raised in the worker; the parent compiles the piece itself."""
-
-    error: str
-
-
-def read_message(stream: IO[bytes]) -> Any | None:
-    """One length-prefixed pickle from ``stream``; None at its end (the other side closed it)."""
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        return None
-    (length,) = _HEADER.unpack(header)
-    payload = stream.read(length)
-    if len(payload) < length:
-        return None
-    return pickle.loads(payload)  # our own parent (or worker), on a pipe private to the two
-
-
-def write_message(stream: IO[bytes], payload: bytes) -> None:
-    stream.write(_HEADER.pack(len(payload)) + payload)
-    stream.flush()
-
-
-def example_inputs(specs: tuple[Any, ...]) -> list[Any]:
-    """Tensors of each spec's layout (zeros: a static compile reads shapes, never values)."""
-    return [
-        torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device).zero_()
-        if isinstance(spec, TensorSpec)
-        else spec
-        for spec in specs
-    ]
+from tessera.compile_jobs import (
+    CACHE_ENV,
+    READY,
+    JobDone,
+    JobFailed,
+    PieceJob,
+    example_inputs,
+    read_message,
+    write_message,
+)
 
 
 def run(job: PieceJob) -> JobDone:

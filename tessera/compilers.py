@@ -29,7 +29,7 @@ from tessera import _compat, counters, piece_file
 from tessera.cache import liveness
 from tessera.cache.entry import atomic_write, warn_write_failed
 from tessera.cache.key import KeyRecord, machine_factors, machine_key
-from tessera.compile_worker import CACHE_ENV, JobDone, PieceJob, TensorSpec
+from tessera.compile_jobs import CACHE_ENV, JobDone, PieceJob, TensorSpec
 from tessera.config import CompileConfig, Size
 from tessera.errors import ArtifactDamaged, CompilerError, ConfigError
 

@@ -1,6 +1,7 @@
 """``CompileConfig``: every knob of a tessera compile, validated once, hashed for the cache.
 
-Fields that change compiled code enter ``compute_hash()``; paths and switches that do not, stay out.
+Fields that change compiled code enter ``hash_factors()`` (hashed by ``cache.key.config_record``);
+paths and switches that do not, stay out.
 """
 
 from __future__ import annotations
@@ -8,14 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
 from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE
-
-if TYPE_CHECKING:
-    from tessera.cache.key import KeyRecord
 
 MODES = ("none", "stock", "trace_once", "piecewise")
 BUILTIN_BACKENDS = ("inductor", "eager")
@@ -255,16 +253,6 @@ class CompileConfig:
             "dynamic_shapes": self.dynamic_shapes,
             "graph_partition": self.graph_partition,
         }
-
-    def compute_hash(self) -> str:
-        """The digest of ``key_record()``: equal configs give equal hashes in every process."""
-        return self.key_record().digest
-
-    def key_record(self) -> KeyRecord:
-        """``hash_factors()`` as a key record (cache/key.py's one hasher)."""
-        from tessera.cache.key import KeyRecord  # imported here: cache.key imports this module
-
-        return KeyRecord.of("config", self.hash_factors())
 
 
 def op_name(op: SplittingOp) -> str:

@@ -15,8 +15,8 @@ import torch
 
 import tessera
 from tessera import counters
+from tessera.compile_jobs import JobDone, JobFailed, PieceJob, TensorSpec
 from tessera.compile_pool import CompilePool, Reply
-from tessera.compile_worker import JobDone, JobFailed, PieceJob, TensorSpec
 from tessera.models import toy_llama
 
 FAKE_PID = 4242

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tessera import CompileConfig, ConfigError, SizeRange
+from tessera.cache.key import config_record
 
 
 def test_defaults_are_piecewise_inductor():
@@ -66,10 +67,13 @@ def test_disable_cache_environment_switch_wins(monkeypatch):
 
 def test_hash_covers_code_changing_fields_only():
     base = CompileConfig()
-    assert base.compute_hash() == CompileConfig().compute_hash()
-    assert base.compute_hash() != CompileConfig(compile_sizes=[4]).compute_hash()
-    assert base.compute_hash() != CompileConfig(inductor_config={"max_autotune": False}).compute_hash()
-    assert base.compute_hash() == CompileConfig(cache_dir="/elsewhere").compute_hash()
+    assert config_record(base) == config_record(CompileConfig())
+    assert config_record(base).digest != config_record(CompileConfig(compile_sizes=[4])).digest
+    assert (
+        config_record(base).digest
+        != config_record(CompileConfig(inductor_config={"max_autotune": False})).digest
+    )
+    assert config_record(base).digest == config_record(CompileConfig(cache_dir="/elsewhere")).digest
 
 
 def test_replace_rejects_unknown_fields():

@@ -179,6 +179,12 @@ def collect_factors(
     }
 
 
+def config_record(config: CompileConfig) -> KeyRecord:
+    """A compile config's ``hash_factors()`` as a key record: equal configs, equal digests, in
+    every process."""
+    return KeyRecord.of("config", config.hash_factors())
+
+
 def entry_key(factors: Mapping[str, Any]) -> KeyRecord:
     """The key of the entry ``collect_factors`` described (its directory is ``digest[:10]``)."""
     return KeyRecord.of("entry", factors)
@@ -400,7 +406,7 @@ def fingerprint_record(
         # The global state the graph bakes in (autocast on any device, default dtype, function
         # modes). Grad mode is not: tessera traces inference graphs whatever the caller's mode.
         "state": repr(_compat.call_state()),
-        "config": config.compute_hash(),
+        "config": config_record(config).digest,
         "compiler": compiler_hash,
         "where": [prefix, rank],
     }

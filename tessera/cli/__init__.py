@@ -1,6 +1,7 @@
-"""The ``tessera`` command line: demo, benchmarks and cache tools (each a subcommand).
+"""The ``tessera`` command line: the demo, reports and cache tools (each a subcommand).
 
-Only this package prints (the demo, the benchmarks); the library logs.
+Only this package prints; the library logs. The benchmarks are not commands: they live in the
+source repository (``python -m benchmarks.<name>``), which the wheel does not ship.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--layers", type=int, default=4)
     demo.add_argument("--hidden", type=int, default=256)
     demo.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-
-    bench = sub.add_parser("bench", help="steady-state latency benchmark (JSON on stdout)")
-    bench.add_argument("--quick", action="store_true", help="fewer repeats")
 
     report = sub.add_parser("report", help="the compile record of a cache entry or a script's models")
     report.add_argument(
@@ -70,8 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tessera.cli.demo import run_demo
 
         return run_demo(layers=args.layers, hidden=args.hidden, backend=args.backend)
-    if args.command == "bench":
-        return run_bench(quick=args.quick)
     if args.command == "cache":
         return cache_command(args)
     if args.command == "report":
@@ -179,22 +175,6 @@ def cache_command(args: argparse.Namespace) -> int:
         print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed; limit {args.max_size}")
         return 0
     return 2
-
-
-def run_bench(quick: bool) -> int:
-    """``tessera bench``: the steady-state benchmark, from the source repository's ``benchmarks``
-    package (not part of the installed wheel)."""
-    try:
-        from benchmarks.steady_state import main as bench_main
-    except ImportError:
-        print(
-            "tessera bench: the benchmarks live in the source repository's benchmarks/ package, "
-            "which the wheel does not ship; run `python -m tessera bench` (or "
-            "`python -m benchmarks.steady_state`) from a checkout of the repository",
-            file=sys.stderr,
-        )
-        return 2
-    return bench_main(["--quick"] if quick else [])
 
 
 def stamp(seconds: float) -> str:

@@ -68,8 +68,6 @@ def bisect(
     ``args``/``kwargs`` are one call of the model. A warm-started ``compiled`` has no traced graph
     in this process; the split structure then comes from a trace with the eager compiler.
     """
-    import tessera
-
     with torch.no_grad():
         if compiled.report is None:
             compiled(*args, **kwargs)
@@ -86,7 +84,9 @@ def bisect(
                 if compiled.compile_config.graph_partition
                 else compiled.compile_config.mode,
             )
-            reference = tessera.compile(model, config, dynamic_dims=compiled.dynamic_dims)
+            # The compiled model's own class, built as tessera.compile builds it (the config is a
+            # checked one, changed only where it is known good): debug/ stands beside the API.
+            reference = type(compiled)(model, config, compiled.dynamic_dims, None)
             reference(*args, **kwargs)
         split_gm, code = reference.split_graph, reference.trace_code
         assert split_gm is not None and code is not None, "the reference compile traced nothing"

@@ -1,0 +1,99 @@
+"""What a compile worker and its parent exchange: the job, its result, and the pipe they cross.
+
+A job is one piece at one static size (``PieceJob``); its example inputs cross as plain shapes
+(``TensorSpec``), since a general or range compile needs the trace's symbolic shapes, which do not
+cross a process boundary. Each message is a length-prefixed pickle (``read_message`` /
+``write_message``). The worker itself is ``compile_worker.py``; the pool that feeds it,
+``compile_pool.py``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import torch
+
+# The environment a job's compile reads its Inductor cache location from: the parent's at the time
+# of the job (a test, or a caller, may point it elsewhere after the worker started).
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+_HEADER = struct.Struct(">Q")
+# The worker's first message, once it has imported what a compile needs: the parent knows it
+# started a working worker (not, say, an embedding server's binary that sys.executable names).
+READY = "tessera compile worker ready"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a compile at a static size needs of an example tensor: its layout, not its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, str(tensor.device))
+
+
+@dataclass(frozen=True)
+class PieceJob:
+    """One piece to compile at one static size, and where its piece file goes."""
+
+    graph: torch.fx.GraphModule
+    inputs: tuple[Any, ...]  # TensorSpec for each tensor, the value itself otherwise
+    config: Any  # CompileConfig (typed loosely: this module is imported without tessera.config)
+    size: int
+    key: str  # the piece file's name in the entry (the artifact cache's scratch name)
+    cache_dir: str
+    machine_record: str | None
+    roots: tuple[str, ...] = ()  # the parent's cache roots: the worker's writer lock goes there
+    env: dict[str, str] = field(default_factory=dict)
+    state: Any = None  # the traced call's CompileState: the compile runs under it (None: as is)
+
+
+@dataclass(frozen=True)
+class JobDone:
+    """A compiled piece: its file's name in the entry (None: not saved), time and counters."""
+
+    handle: str | None
+    seconds: float
+    counts: dict[str, int]
+    pid: int
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """A compile that raised in the worker; the parent compiles the piece itself."""
+
+    error: str
+
+
+def read_message(stream: IO[bytes]) -> Any | None:
+    """One length-prefixed pickle from ``stream``; None at its end (the other side closed it)."""
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    (length,) = _HEADER.unpack(header)
+    payload = stream.read(length)
+    if len(payload) < length:
+        return None
+    return pickle.loads(payload)  # our own parent (or worker), on a pipe private to the two
+
+
+def write_message(stream: IO[bytes], payload: bytes) -> None:
+    stream.write(_HEADER.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def example_inputs(specs: tuple[Any, ...]) -> list[Any]:
+    """Tensors of each spec's layout (zeros: a static compile reads shapes, never values)."""
+    return [
+        torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device).zero_()
+        if isinstance(spec, TensorSpec)
+        else spec
+        for spec in specs
+    ]
