@@ -426,8 +426,8 @@ class Traces:
             entry.spec,
             entry.reason,
             context.remote,
+            plan_to_json(self.plan),
         )
-        warm.save_plan(context.root, context.fingerprint, plan_to_json(self.plan))
 
     def _next_number(self) -> int:
         self._numbered += 1

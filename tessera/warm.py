@@ -95,11 +95,13 @@ def save(
     spec: CallSpec,
     reason: str,
     remote: RemoteTier | None,
+    plan: dict[str, list[Any]],
 ) -> None:
-    """After a trace, once every size is compiled: its artifact, and the fingerprint's pointer."""
-    if not backend.save_artifact(fingerprint, traced_fn, code, spec, reason):
-        return
-    if remote is not None and backend.entry is not None:
+    """After a trace, once every size is compiled: its artifact, the fingerprint's pointer and
+    the trace plan beside it, and with a remote tier all of them for the fleet."""
+    saved = backend.save_artifact(fingerprint, traced_fn, code, spec, reason)
+    save_plan(root, fingerprint, plan)  # after the pointer it goes in (an earlier trace's, if not saved)
+    if saved and remote is not None and backend.entry is not None:
         publish(remote, root, fingerprint, backend.entry)
 
 

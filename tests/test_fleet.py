@@ -485,3 +485,20 @@ def test_sizes_one_replica_learnt_are_served_by_a_replica_with_an_empty_local_ca
     assert tessera.counters.snapshot()["eager_compiles"] == 0
     runner = next(r for r in second.runners.values() if r.source is not None)
     assert runner.artifact_for(3) == "size 3"
+
+
+def test_the_trace_plan_travels_with_the_pointer(tmp_path, redis_server):
+    """What one replica's traces found changing reaches a replica with an empty local cache, so
+    that its next new kind of call is traced as wide as the first replica's would be."""
+    import json
+
+    first = _compile_and_check(tmp_path / "first", redis_server.url)
+    assert first.wait_ready(60)
+    (pointer,) = (tmp_path / "first").rglob("warm/*.json")
+    plan = json.loads(pointer.read_text()).get("plan")
+    assert plan and any(plan.values()), plan
+    torch._dynamo.reset()
+    second = _compile_and_check(tmp_path / "second", redis_server.url)
+    assert second.warm_start is True
+    (fetched,) = (tmp_path / "second").rglob("warm/*.json")
+    assert json.loads(fetched.read_text()).get("plan") == plan

@@ -274,16 +274,26 @@ class RemoteTier:
 
     # -- pointers (model fingerprint -> entry and its whole-model artifact) --------------------------
     def publish_pointer(
-        self, fingerprint: str, entry: Path, relative: str, key: str, prefix: str, learnt: Sequence[int] = ()
+        self,
+        fingerprint: str,
+        entry: Path,
+        relative: str,
+        key: str,
+        prefix: str,
+        learnt: Sequence[int] = (),
+        plan: dict[str, list[Any]] | None = None,
     ) -> None:
-        """The pointer from ``fingerprint`` to the entry, with its whole-model artifact and the
-        sizes learnt from traffic for it (``learnt``)."""
+        """The pointer from ``fingerprint`` to the entry, with its whole-model artifact, the sizes
+        learnt from traffic for it (``learnt``) and the trace plan (which sizes its traces saw
+        change, ``artifact.write_plan``): a replica that fetches it traces as this one would."""
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
         if self.broken:
             return
         body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
         if learnt:
             body["learnt"] = [int(s) for s in learnt]
+        if plan:
+            body["plan"] = plan
         try:
             model = read_index(entry).model
         except (OSError, ValueError, SyntaxError):
@@ -465,6 +475,9 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
             learnt = body.get("learnt")
             if isinstance(learnt, list) and all(isinstance(s, int) and s >= 1 for s in learnt):
                 artifact.write_learnt(root, fingerprint, entry, learnt)
+            plan = artifact.read_plan_of(body)  # checked again where traces.py reads it
+            if plan:
+                artifact.write_plan(root, fingerprint, plan)
         except OSError as e:
             trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
 
@@ -491,11 +504,12 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
         return
     relative = entry.path.relative_to(root).as_posix()
     learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
+    plan = artifact.read_plan(root, fingerprint)
     # Another replica published this fingerprint's pointer (the fleet traced it at once): one
     # read instead of a pointer and a whole-model artifact from every replica.
-    if not grown and not learnt and remote.has_pointer(fingerprint, entry.path, relative):
+    if not grown and not learnt and not plan and remote.has_pointer(fingerprint, entry.path, relative):
         return
-    remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt)
+    remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt, plan)
 
 
 def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None:
