@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 COMPILED_FN_PREFIX = "__compiled_fn"
 
 
-# The torch releases this module was checked on (tests/test_compat.py, README "PyTorch versions").
+# The torch releases this module was checked on (tests/test_compat.py, docs/versions.md).
 TESTED_TORCH = ((2, 11), (2, 15))
 
 
