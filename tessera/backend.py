@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import json
 import logging
 import pickle
-import queue as queue_module
 import threading
 import time
 import types
@@ -46,8 +44,7 @@ from tessera.cache.key import (
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.call_check import CallSpec
-from tessera.compile_jobs import JobDone, JobFailed
-from tessera.compile_pool import CompilePool, Reply, default_count, shared_pool
+from tessera.compile_pool import CompilePool, WorkerFanOut, default_count, shared_pool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import (
     Compiler,
@@ -69,10 +66,10 @@ from tessera.piece import (
     dynamic_inputs,
     find_size_source,
     free_symbols,
-    specialize_inputs,
 )
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
+from tessera.schedule import Job, PieceWork, general_first
 from tessera.split import (
     SplitItem,
     SplitMatcher,
@@ -85,22 +82,6 @@ from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_cal
 
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
-
-
-@dataclasses.dataclass
-class _Sent:
-    """The static sizes one background compile handed to the compile workers."""
-
-    pool: CompilePool | None
-    progress: CompileProgress | None  # the up-front compile's progress (None in the background)
-    replies: queue_module.SimpleQueue[Reply] = dataclasses.field(default_factory=queue_module.SimpleQueue)
-    # content key -> the piece whose job compiles it (item, fake and real inputs, content)
-    leaders: dict[str, tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = dataclasses.field(
-        default_factory=dict
-    )
-    # content key -> identical pieces (and their size) that take the leader's artifact as shared
-    followers: dict[str, list[tuple[SplitItem, Size]]] = dataclasses.field(default_factory=dict)
-    waiting: int = 0  # jobs sent whose reply is not in yet
 
 
 @dataclasses.dataclass
@@ -201,9 +182,9 @@ class PiecewiseBackend:
         # (piece, size, how obtained, when: wall-clock seconds), in the order obtained
         self.outcomes: list[tuple[str, Size, CompileOutcome, float]] = []
         self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
-        # Serve first, specialise after: (piece, fake and real inputs, sizes, content) left for
-        # the background thread, and whether every size is in place (set when nothing is left).
-        self._later: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], tuple[Size, ...], str]] = []
+        # Serve first, specialise after: the artifacts left for the background thread, and
+        # whether every size is in place (set when nothing is left).
+        self._later: list[Job] = []
         # Whether a piece may serve as traced (eagerly) until its general artifact is compiled in
         # the background (CompileConfig.serve_while_compiling). The model sets it for its dynamic
         # trace; a trace for one small size compiles at once (that size is the whole workload).
@@ -212,7 +193,7 @@ class PiecewiseBackend:
         self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
         self._after_lock = threading.Lock()
         self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
-        self._worker_failed = False  # a compile worker's failure is warned once per model
+        self._worker_failure_said = False  # a compile worker's failure is warned once per model
         self._pool: CompilePool | None = None  # compile workers for this model's static sizes
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
@@ -222,7 +203,7 @@ class PiecewiseBackend:
         # Sizes learnt from traffic (learn.py): what a learnt size compiles from (trace path only:
         # each sized piece, its fake and real inputs and content), the counter of the sizes
         # served, and what records the learnt sizes for the next process (set by the model).
-        self._sized: list[tuple[SplitItem, Sequence[Any], Sequence[Any | None], str]] = []
+        self._sized: list[PieceWork] = []
         self._one_size_memo: bool | None = None
         self.tally: SizeTally | None = None
         self.learnt_sink: Callable[[PiecewiseBackend], None] | None = None
@@ -397,21 +378,21 @@ class PiecewiseBackend:
                 # The first output waits for the trace alone: the piece runs as traced, the same
                 # kernels as eager, until its general artifact (compiled first) is swapped in.
                 now = ()
-        later = sizes[len(now) :]
+        work = PieceWork(item, fake_args, real_args, content)
         if source is not None:
-            self._sized.append((item, fake_args, real_args, content))
-        if later:
-            self._later.append((item, fake_args, real_args, later, content))
+            self._sized.append(work)
+        self._later.extend(Job(work, size) for size in sizes[len(now) :])
         artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
         seconds = []
         timings = []
         for size in now:
-            inputs: Callable[[], Sequence[Any]] = lambda: fake_args  # noqa: E731
-            if isinstance(size, int):
-                inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
             progress.start(item.name, size_label(size))
             outcome = found or self.artifact_cache.get(
-                item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
+                item.graph,
+                work.inputs(size),
+                size,
+                item.index,
+                self.artifact_cache.content_key(content, size),
             )
             progress.advance()
             self._record_stage(item, size, outcome)
@@ -546,24 +527,35 @@ class PiecewiseBackend:
         Every piece's general artifact first (pieces serving as traced get compiled code soonest),
         then the compile sizes and ranges. Static sizes go to the compile workers, when there are
         any, at once: they compile there while the others compile here."""
-        queue = [(work, size) for work in self._later for size in work[3]]
-        queue.sort(key=lambda job: job[1] is not None)
-        sent = _Sent(self._pool, progress)
-        here = [(work, size) for work, size in queue if not self._send(sent, work, size)]
-        for (item, fake_args, real_args, _, content), size in here:
-            inputs: Callable[[], Sequence[Any]] = functools.partial(_as_is, fake_args)
-            if isinstance(size, int):
-                inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
+
+        def install(job: Job, outcome: CompileOutcome) -> None:
+            self._add_later(job.work.item, job.size, outcome, progress)
+
+        fan_out = None
+        if self._pool is not None and isinstance(self.compiler, CompilesInWorkers):
+            fan_out = WorkerFanOut(
+                self._pool,
+                self.compiler,
+                self.artifact_cache,
+                self.config,
+                self.state,
+                install,
+                self._worker_failed,
+            )
+        jobs = general_first(self._later)
+        here = [job for job in jobs if fan_out is None or not fan_out.send(job)]
+        for job in here:
+            item, size = job.work.item, job.size
             if progress is not None:
                 progress.start(item.name, size_label(size))
             with COMPILE_LOCK:
-                outcome = self.artifact_cache.get(
-                    item.graph, inputs, size, item.index, self.artifact_cache.content_key(content, size)
-                )
-            self._add_later(item, size, outcome, progress)
-            self._take_replies(sent, block=False)
-        while sent.waiting:
-            self._take_replies(sent, block=True)
+                key = self.artifact_cache.content_key(job.work.content, size)
+                outcome = self.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
+            install(job, outcome)
+            if fan_out is not None:
+                fan_out.take_replies(block=False)
+        if fan_out is not None:
+            fan_out.finish()
         self._later = []
 
     def _add_later(
@@ -626,7 +618,7 @@ class PiecewiseBackend:
         """Whether static sizes can be compiled here: this process traced the pieces, and they
         share one dynamic size (worked out once: the pieces are built before anything is served)."""
         if self._one_size_memo is None:
-            symbols = {frozenset(map(str, free_symbols(fake))) for _, fake, _, _ in self._sized}
+            symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self._sized}
             self._one_size_memo = len(symbols) == 1 and len(next(iter(symbols))) == 1
         return self._one_size_memo
 
@@ -677,13 +669,13 @@ class PiecewiseBackend:
         try:
             obtained = []
             with self.state.applied():
-                for item, fake_args, real_args, content in self._sized:
-                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
-                    key = self.artifact_cache.content_key(content, size)
+                for work in self._sized:
+                    item, key = work.item, self.artifact_cache.content_key(work.content, size)
                     with COMPILE_LOCK:
-                        obtained.append(
-                            (item, self.artifact_cache.get(item.graph, inputs, size, item.index, key))
+                        outcome = self.artifact_cache.get(
+                            item.graph, work.inputs(size), size, item.index, key
                         )
+                    obtained.append((item, outcome))
             with COMPILE_LOCK:
                 self.artifact_cache.flush()
             with self._learn_lock:
@@ -749,90 +741,17 @@ class PiecewiseBackend:
         count = self.config.compile_workers
         return shared_pool(default_count() if count is None else count)
 
-    def _send(self, sent: _Sent, work: tuple[Any, ...], size: Size) -> bool:
-        """Hand one static size to the compile workers; False when it is compiled here instead.
-
-        Identical pieces (transformer layers) send one job: the others take its artifact as
-        shared once it is in, as they would from a compile here, so the entry is the same."""
-        item, fake_args, real_args, _, content = work
-        if sent.pool is None or not isinstance(size, int) or not isinstance(self.compiler, CompilesInWorkers):
-            return False
-        key = self.artifact_cache.content_key(content, size)
-        if key in sent.leaders:
-            sent.followers.setdefault(key, []).append((item, size))
-            return True
-        with COMPILE_LOCK:
-            counters.bump("backend_compilations")  # as ArtifactCache.get counts each artifact asked for
-            found = self.artifact_cache.find(item.graph, size, item.index, key)
-            if found is not None:  # in the cache already: no compile at all
-                self._add_later(item, size, found, sent.progress)
-                return True
-            inputs = specialize_inputs(item.name, fake_args, real_args, size)
-            job = self.compiler.job(
-                item.graph, inputs, self.config, size, self.artifact_cache.scratch_name(size, item.index)
-            )
-        if job is not None:
-            job = dataclasses.replace(job, state=self.state)
-        if job is None or not sent.pool.submit(job, (item, size, key, time.perf_counter()), sent.replies):
-            return False
-        sent.leaders[key] = (item, fake_args, real_args, content)
-        sent.waiting += 1
-        return True
-
-    def _take_replies(self, sent: _Sent, block: bool) -> None:
-        """Install what the workers finished (waiting for one reply when ``block``)."""
-        while sent.waiting:
-            try:
-                reply = sent.replies.get(block=block)
-            except queue_module.Empty:
-                return
-            sent.waiting -= 1
-            block = False
-            item, size, key, submitted = reply.tag
-            _, fake_args, real_args, _ = sent.leaders[key]
-            with COMPILE_LOCK:
-                outcome = self._worker_outcome(reply, item, size, key)
-                if outcome is None:  # the worker failed: compiled here after all
-                    inputs = functools.partial(specialize_inputs, item.name, fake_args, real_args, size)
-                    outcome = self.artifact_cache.compile(item.graph, inputs, size, item.index, key)
-                self._add_later(item, size, outcome, sent.progress)
-                for twin, twin_size in sent.followers.pop(key, []):
-                    shared = self.artifact_cache.get(
-                        twin.graph, functools.partial(_as_is, ()), twin_size, twin.index, key
-                    )
-                    self._add_later(twin, twin_size, shared, sent.progress)
-            log.debug(
-                "%s: %s (%s) from a compile worker after %.2fs",
-                self.prefix,
-                item.name,
-                size,
-                time.perf_counter() - submitted,
-            )
-
-    def _worker_outcome(self, reply: Reply, item: SplitItem, size: int, key: str) -> CompileOutcome | None:
-        """The artifact a worker compiled, recorded in the entry; None if the worker failed (the
-        piece is then compiled here: a worker never makes a compile fail)."""
-        assert isinstance(self.compiler, CompilesInWorkers)
-        done = reply.result
-        if isinstance(done, JobDone):
-            try:
-                fn, handle = self.compiler.finish(done)
-            except CompilerError as e:
-                done = JobFailed(str(e))
-            else:
-                return self.artifact_cache.record_compiled(
-                    fn, handle, size, item.index, key, done.seconds, worker=done.pid
-                )
-        if not self._worker_failed:
-            self._worker_failed = True
+    def _worker_failed(self, job: Job, error: str) -> None:
+        """A compile worker failed (the piece is compiled here instead): warned once per model."""
+        if not self._worker_failure_said:
+            self._worker_failure_said = True
             log.warning(
-                "%s: a compile worker failed on %s at size %d (%s); compiling here instead",
+                "%s: a compile worker failed on %s at size %s (%s); compiling here instead",
                 self.prefix,
-                item.name,
-                size,
-                done.error,
+                job.work.item.name,
+                job.size,
+                error,
             )
-        return None
 
     def _record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
         """One artifact obtained: in torch's structured trace, and in the debug dumps."""
@@ -1135,10 +1054,6 @@ def _worker_fit(fake_args: Sequence[Any]) -> bool:
     return find_size_source(fake_args) is not None and all(
         not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in fake_args
     )
-
-
-def _as_is(values: Sequence[Any]) -> Sequence[Any]:
-    return values
 
 
 _WARNED_BUGS: set[str] = set()  # rebuild failures already warned about by this process

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -23,11 +24,23 @@ import select
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from tessera import counters
 from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
+from tessera.compile_state import COMPILE_LOCK
+from tessera.errors import CompilerError
+
+if TYPE_CHECKING:
+    from tessera.artifact_cache import ArtifactCache, CompileOutcome
+    from tessera.compile_state import CompileState
+    from tessera.compilers import CompilesInWorkers
+    from tessera.config import CompileConfig
+    from tessera.schedule import Job
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +206,128 @@ def shared_pool(count: int) -> CompilePool | None:
             # so no job is in flight when the workers are told to stop.
             atexit.register(pool.stop)
         return pool
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """The tag a job's reply carries: the job, its artifact's key, when it was submitted."""
+
+    job: Job
+    key: str
+    submitted: float
+
+
+class WorkerFanOut:
+    """One compile round's static sizes, handed to the compile workers, and their artifacts
+    installed (``install``) as the replies come in.
+
+    Identical pieces (transformer layers) send one job: the others take its artifact as shared
+    once it is in, as they would from a compile here, so the entry is the same. A job the workers
+    cannot take is compiled by the caller (``send`` says False); one that failed in a worker is
+    compiled here, and ``on_failure`` told."""
+
+    def __init__(
+        self,
+        pool: CompilePool,
+        compiler: CompilesInWorkers,
+        artifact_cache: ArtifactCache,
+        config: CompileConfig,
+        state: CompileState,
+        install: Callable[[Job, CompileOutcome], None],
+        on_failure: Callable[[Job, str], None],
+    ) -> None:
+        self.pool = pool
+        self.compiler = compiler
+        self.artifact_cache = artifact_cache
+        self.config = config
+        self.state = state
+        self.install = install
+        self.on_failure = on_failure
+        self.replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        self.leaders: dict[str, Job] = {}  # artifact key -> the job that compiles it
+        self.followers: dict[str, list[Job]] = {}  # artifact key -> identical pieces' jobs
+        self.waiting = 0  # jobs sent whose reply is not in yet
+
+    def send(self, job: Job) -> bool:
+        """Hand ``job`` to the workers; False when the caller must compile it (not a static size,
+        or the workers cannot take it)."""
+        size, item = job.size, job.work.item
+        if not isinstance(size, int):
+            return False
+        key = self.artifact_cache.content_key(job.work.content, size)
+        if key in self.leaders:
+            self.followers.setdefault(key, []).append(job)
+            return True
+        with COMPILE_LOCK:
+            counters.bump("backend_compilations")  # as ArtifactCache.get counts each artifact asked for
+            found = self.artifact_cache.find(item.graph, size, item.index, key)
+            if found is not None:  # in the cache already: no compile at all
+                self.install(job, found)
+                return True
+            scratch = self.artifact_cache.scratch_name(size, item.index)
+            piece_job = self.compiler.job(item.graph, job.work.inputs(size)(), self.config, size, scratch)
+        if piece_job is not None:
+            piece_job = dataclasses.replace(piece_job, state=self.state)
+        if piece_job is None or not self.pool.submit(
+            piece_job, _Sent(job, key, time.perf_counter()), self.replies
+        ):
+            return False
+        self.leaders[key] = job
+        self.waiting += 1
+        return True
+
+    def take_replies(self, block: bool) -> None:
+        """Install what the workers finished (waiting for one reply when ``block``)."""
+        while self.waiting:
+            try:
+                reply = self.replies.get(block=block)
+            except queue.Empty:
+                return
+            self.waiting -= 1
+            block = False
+            sent: _Sent = reply.tag
+            job, item = sent.job, sent.job.work.item
+            with COMPILE_LOCK:
+                outcome = self._outcome(reply, job, sent.key)
+                if outcome is None:  # the worker failed: compiled here after all
+                    outcome = self.artifact_cache.compile(
+                        item.graph, job.work.inputs(job.size), job.size, item.index, sent.key
+                    )
+                self.install(job, outcome)
+                for twin in self.followers.pop(sent.key, []):
+                    shared = self.artifact_cache.get(
+                        twin.work.item.graph, _no_inputs, twin.size, twin.work.item.index, sent.key
+                    )
+                    self.install(twin, shared)
+            log.debug(
+                "%s (%s) from a compile worker after %.2fs",
+                item.name,
+                job.size,
+                time.perf_counter() - sent.submitted,
+            )
+
+    def finish(self) -> None:
+        """Wait for every job sent, installing each."""
+        while self.waiting:
+            self.take_replies(block=True)
+
+    def _outcome(self, reply: Reply, job: Job, key: str) -> CompileOutcome | None:
+        """The artifact a worker compiled, recorded in the entry; None if the worker failed (the
+        piece is then compiled here: a worker never makes a compile fail)."""
+        done = reply.result
+        if isinstance(done, JobDone):
+            try:
+                fn, handle = self.compiler.finish(done)
+            except CompilerError as e:
+                done = JobFailed(str(e))
+            else:
+                assert isinstance(job.size, int), "only static sizes are sent"
+                return self.artifact_cache.record_compiled(
+                    fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
+                )
+        self.on_failure(job, done.error)
+        return None
+
+
+def _no_inputs() -> Sequence[Any]:
+    return ()  # an identical piece's artifact is in the cache by then: nothing is compiled
