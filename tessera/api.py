@@ -264,7 +264,7 @@ class CompiledModel:
             if not backend.ready.wait(left):
                 return False
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not backend.idle.wait(left):  # a size learnt from traffic, compiling
+            if not backend.learning.idle.wait(left):  # a size learnt from traffic, compiling
                 return False
         return self.first_call_seconds is not None
 
@@ -299,7 +299,7 @@ class CompiledModel:
             traces=self._traces.reports(),
             timeline=timeline(self._traces.spans(), backends),
             sizes_served=sizes_served(backends),
-            learnt_sizes=tuple(s for b in backends for s in b.learnt_sizes),
+            learnt_sizes=tuple(s for b in backends for s in b.learning.learnt_sizes),
         )
 
     @property

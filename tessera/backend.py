@@ -9,7 +9,6 @@ the backend writes its own whole-model artifact (``save_artifact``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import json
 import logging
@@ -59,17 +58,16 @@ from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_avai
 from tessera.debug.dumps import Dumps
 from tessera.errors import CompilerError, FallbackWarning, TesseraWarning
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
-from tessera.learn import SizeLearner, SizeTally
 from tessera.piece import (
     PieceRecord,
     PieceRunner,
     dynamic_inputs,
     find_size_source,
-    free_symbols,
 )
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
-from tessera.schedule import Job, PieceWork, general_first
+from tessera.schedule import Job, PieceWork, general_first, start_thread
+from tessera.size_learning import SizeLearning
 from tessera.split import (
     SplitItem,
     SplitMatcher,
@@ -200,17 +198,7 @@ class PiecewiseBackend:
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
         self.graph_pieces: list[CUDAGraphPiece] = []
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
-        # Sizes learnt from traffic (learn.py): what a learnt size compiles from (trace path only:
-        # each sized piece, its fake and real inputs and content), the counter of the sizes
-        # served, and what records the learnt sizes for the next process (set by the model).
-        self._sized: list[PieceWork] = []
-        self._one_size_memo: bool | None = None
-        self.tally: SizeTally | None = None
-        self.learnt_sink: Callable[[PiecewiseBackend], None] | None = None
-        self.idle = threading.Event()  # clear while learnt sizes compile
-        self.idle.set()
-        self._learn_queue: list[int] = []  # sizes learnt, waiting for the learning thread
-        self._learn_lock = threading.Lock()  # the queue, and a learnt size's swap in or out
+        self.learning = SizeLearning(self)  # sizes learnt from traffic (size_learning.py)
         if config.auto_sizes and config.cudagraph_capture_sizes is None:
             # The learnt sizes are the capture sizes (with the listed ones): a call pads to the
             # next of them, and runs without a graph above the largest.
@@ -344,7 +332,7 @@ class PiecewiseBackend:
             progress.close()
         if not self._later:
             self.ready.set()
-        self._start_tally()
+        self.learning.start()
         self.phases["compile"] = time.perf_counter() - built
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
         # forward, not __call__: skips nn.Module call machinery on every step.
@@ -380,7 +368,7 @@ class PiecewiseBackend:
                 now = ()
         work = PieceWork(item, fake_args, real_args, content)
         if source is not None:
-            self._sized.append(work)
+            self.learning.sized.append(work)
         self._later.extend(Job(work, size) for size in sizes[len(now) :])
         artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
         seconds = []
@@ -458,10 +446,9 @@ class PiecewiseBackend:
                 log.warning("%s: after the background compile: %s: %s", self.prefix, type(e).__name__, e)
 
     def start_background(self, then: Callable[[], None] | None = None) -> None:
-        """Compile what was left for later in a thread of its own, swapping each artifact in as it
-        is ready, then run ``then`` (the whole-model artifact is written once every size is in
-        place, so that the next process loads them all). The thread is not a daemon: a process
-        that exits first waits for it, and the cache gets every artifact."""
+        """Compile what was left for later in a thread of its own (schedule.start_thread), swapping
+        each artifact in as it is ready, then run ``then`` (the whole-model artifact is written once
+        every size is in place, so that the next process loads them all)."""
         if not self._later:
             with self._after_lock:
                 self.ready.set()
@@ -469,23 +456,7 @@ class PiecewiseBackend:
                 then()
             return
         self.background_status = "running"
-        # A compile in another thread must not make this process's other torch.compile'd
-        # functions think they are being FX-traced, nor send the modules they call into its FX
-        # trace (torch 2.11-2.13, see _compat).
-        _compat.isolate_fx_tracing()
-        # The thread runs in a copy of this thread's context: Inductor's and Dynamo's settings
-        # are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and a new thread
-        # starts with an empty context, so the user's settings, which the cache key has read,
-        # would be missing from the compile.
-        context = contextvars.copy_context()
-        thread = threading.Thread(
-            target=context.run,
-            args=(self._compile_later, then),
-            name=f"tessera-compile-{self.prefix}",
-            daemon=False,
-        )
-        thread.start()
-        _compat.join_before_pools_shut(thread)
+        start_thread(f"tessera-compile-{self.prefix}", self._compile_later, then)
 
     def _compile_later(self, then: Callable[[], None] | None) -> None:
         start = time.perf_counter()
@@ -514,7 +485,8 @@ class PiecewiseBackend:
             self._later = []
             # The sizes counted while the trace's own sizes compiled are learnt now, not at the
             # next look; before ``ready`` is set, so that a wait for it waits for them too.
-            learner = self.tally.learner if self.tally is not None else None
+            tally = self.learning.tally
+            learner = tally.learner if tally is not None else None
             if learner is not None:
                 learner.look(decay=False)
             with self._after_lock:
@@ -529,7 +501,7 @@ class PiecewiseBackend:
         any, at once: they compile there while the others compile here."""
 
         def install(job: Job, outcome: CompileOutcome) -> None:
-            self._add_later(job.work.item, job.size, outcome, progress)
+            self.add_artifact(job.work.item, job.size, outcome, progress)
 
         fan_out = None
         if self._pool is not None and isinstance(self.compiler, CompilesInWorkers):
@@ -558,7 +530,11 @@ class PiecewiseBackend:
             fan_out.finish()
         self._later = []
 
-    def _add_later(
+    def jobs_left(self) -> bool:
+        """Whether artifacts of the trace's own sizes are still to compile (learning waits)."""
+        return bool(self._later)
+
+    def add_artifact(
         self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
     ) -> None:
         """Swap one artifact compiled after its piece's general one into the piece's runner."""
@@ -573,156 +549,6 @@ class PiecewiseBackend:
         self._record_stage(item, size, outcome)
         if progress is not None:
             progress.advance()
-
-    # -- sizes learnt from traffic ----------------------------------------------------------------
-    def _start_tally(self, learnt: Sequence[int] = ()) -> None:
-        """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
-        the hot ones (``learnt``: those an earlier process learnt, loaded)."""
-        runner = next(
-            (self.runners[n] for n, splitting in self.order if n in self.runners and self.runners[n].source),
-            None,
-        )
-        if runner is None:
-            return
-        learner = None
-        if self.config.auto_sizes:
-            learner = SizeLearner(
-                self.config.auto_sizes,
-                self.config.auto_sizes_share,
-                self.config.sizes,
-                learnt,
-                self._learn,
-                self._retire,
-                self._may_learn,
-            )
-            if not self._sized:
-                log.info(
-                    "%s: auto sizes: the pieces were loaded, not traced, so this process serves the %d "
-                    "learnt size(s) it loaded and learns none (a process that traces the model does)",
-                    self.prefix,
-                    len(learner.learnt),
-                )
-            elif not self._one_size():
-                log.info(
-                    "%s: auto sizes: the pieces have more than one dynamic size and a learnt size "
-                    "specialises one, so none is learnt; mark the one dim that varies with dynamic_dims",
-                    self.prefix,
-                )
-        self.tally = SizeTally(learner)
-        runner.tally = self.tally
-        for piece in self.graph_pieces:  # its replays bypass the runner: counted by the piece
-            if piece.fn is runner:
-                piece.tally = self.tally
-
-    def _one_size(self) -> bool:
-        """Whether static sizes can be compiled here: this process traced the pieces, and they
-        share one dynamic size (worked out once: the pieces are built before anything is served)."""
-        if self._one_size_memo is None:
-            symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self._sized}
-            self._one_size_memo = len(symbols) == 1 and len(next(iter(symbols))) == 1
-        return self._one_size_memo
-
-    @property
-    def learnt_sizes(self) -> tuple[int, ...]:
-        """The sizes learnt from traffic that serve now, in the order learnt."""
-        learner = self.tally.learner if self.tally is not None else None
-        return learner.learnt if learner is not None else ()
-
-    def _may_learn(self) -> bool:
-        # The trace's own sizes first: nothing is left for the background compile.
-        return not self._later and self._one_size()
-
-    def _learn(self, size: int) -> None:
-        """Queue ``size`` for the learning thread (started when none runs): it compiles every
-        sized piece at that size and swaps them in (as a background compile does), then records
-        the learnt sizes for the next process."""
-        with self._learn_lock:
-            self._learn_queue.append(size)
-            if not self.idle.is_set():
-                return
-            self.idle.clear()
-        _compat.isolate_fx_tracing()  # see start_background
-        context = contextvars.copy_context()  # see start_background
-        thread = threading.Thread(
-            target=context.run, args=(self._learn_loop,), name=f"tessera-learn-{self.prefix}", daemon=False
-        )
-        thread.start()
-        _compat.join_before_pools_shut(thread)
-
-    def _learn_loop(self) -> None:
-        assert self.tally is not None and self.tally.learner is not None
-        learner = self.tally.learner
-        while True:
-            with self._learn_lock:
-                if not self._learn_queue:
-                    self.idle.set()
-                    return
-                size = self._learn_queue.pop(0)
-            if self._compile_learnt(size):
-                learner.look(decay=False)  # the next hot size now, not EVERY calls later
-
-    def _compile_learnt(self, size: int) -> bool:
-        """Compile and swap in one learnt size; whether it was."""
-        assert self.tally is not None and self.tally.learner is not None
-        learner = self.tally.learner
-        start = time.perf_counter()
-        try:
-            obtained = []
-            with self.state.applied():
-                for work in self._sized:
-                    item, key = work.item, self.artifact_cache.content_key(work.content, size)
-                    with COMPILE_LOCK:
-                        outcome = self.artifact_cache.get(
-                            item.graph, work.inputs(size), size, item.index, key
-                        )
-                    obtained.append((item, outcome))
-            with COMPILE_LOCK:
-                self.artifact_cache.flush()
-            with self._learn_lock:
-                if size not in learner.learnt:  # retired while it compiled: the artifacts stay unused
-                    return False
-                for item, outcome in obtained:  # every piece at once
-                    self._add_later(item, size, outcome)
-                for piece in self.graph_pieces:  # captured from the next call of a size it pads
-                    piece.add_capture_size(size)
-                if self.graph_pieces:
-                    self.capture_sizes = tuple(sorted({*self.capture_sizes, size}))
-            counters.bump("sizes_learnt")
-            self.phases["learn_sizes"] = self.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
-            log.info("%s: size %d learnt in %.2fs", self.prefix, size, time.perf_counter() - start)
-            if self.learnt_sink is not None:
-                try:
-                    self.learnt_sink(self)
-                except Exception as e:  # a hint for the next process: never a failure here
-                    log.warning(
-                        "%s: the learnt sizes were not recorded (%s: %s)", self.prefix, type(e).__name__, e
-                    )
-            return True
-        except Exception as e:  # what serves keeps serving; the size is not tried again
-            learner.refuse(size)
-            log.warning(
-                "%s: compiling learnt size %d failed (%s: %s); the general artifact keeps serving it",
-                self.prefix,
-                size,
-                type(e).__name__,
-                e,
-            )
-            return False
-
-    def _retire(self, size: int) -> None:
-        """A learnt size no longer hot: its artifact out of every piece (calls of that size go
-        to the general artifact, or a range), and out of the record for the next process."""
-        with self._learn_lock:
-            for runner in list(self.runners.values()):
-                runner.drop(size)
-            for piece in self.graph_pieces:
-                piece.remove_capture_size(size)
-            if self.graph_pieces:
-                self.capture_sizes = tuple(s for s in self.capture_sizes if s != size)
-        # Recorded for the next process by the learning thread, once the size that takes this
-        # one's place is in (a retirement is always for a newcomer): never a write, or a remote
-        # publish, on the serving call that made the look.
-        counters.bump("sizes_retired")
 
     # -- compile workers ------------------------------------------------------------------------
     def _compile_pool(self, sized: bool) -> CompilePool | None:
@@ -902,7 +728,7 @@ class PiecewiseBackend:
                 for size in loaded_learnt:
                     piece.add_capture_size(size)
             self.capture_sizes = tuple(sorted({*self.capture_sizes, *loaded_learnt}))
-        self._start_tally(sorted(loaded_learnt, key=list(learnt).index))
+        self.learning.start(sorted(loaded_learnt, key=list(learnt).index))
         return forward
 
     # -- the whole-model artifact --------------------------------------------------------------

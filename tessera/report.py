@@ -258,8 +258,8 @@ def sizes_served(backends: Iterable[Any]) -> tuple[tuple[int, str, int], ...]:
     """(size, artifact label, calls) over the ``backends``' counts, by size."""
     counts: dict[tuple[int, str], int] = {}
     for backend in backends:
-        if backend.tally is not None:
-            for size, label, n in backend.tally.histogram():
+        if backend.learning.tally is not None:
+            for size, label, n in backend.learning.tally.histogram():
                 counts[(size, label)] = counts.get((size, label), 0) + n
     return tuple(sorted((size, label, n) for (size, label), n in counts.items()))
 

@@ -464,8 +464,12 @@ class Traces:
     ) -> TraceEntry:
         bound = spec.bind(self.model.target, _compat.guard_globals(self.model.traced_fn.__globals__))
         context = self.context
-        if context.root is not None and context.fingerprint is not None and backend.learnt_sink is None:
-            backend.learnt_sink = functools.partial(
+        if (
+            context.root is not None
+            and context.fingerprint is not None
+            and backend.learning.learnt_sink is None
+        ):
+            backend.learning.learnt_sink = functools.partial(
                 warm.save_sizes, context.root, context.fingerprint, context.remote
             )
         entry = TraceEntry(

@@ -112,7 +112,7 @@ def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend:
     if entry is None:
         return
     try:
-        model_artifact.write_learnt(root, fingerprint, entry.path, backend.learnt_sizes)
+        model_artifact.write_learnt(root, fingerprint, entry.path, backend.learning.learnt_sizes)
     except OSError as e:  # the sizes serve here; the next process learns them again
         warn_write_failed(entry.path, e)
         return

@@ -1,0 +1,210 @@
+"""Sizes learnt from traffic, for one model's pieces: the counter of the sizes served, the
+learner's decisions (``learn.SizeLearner``, the policy) and the thread that compiles a learnt size
+in every sized piece and swaps it in, or takes a retired one out (the mechanism)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from tessera import counters
+from tessera.artifact_cache import ArtifactCache, CompileOutcome
+from tessera.compile_state import COMPILE_LOCK, CompileState
+from tessera.config import CompileConfig, Size
+from tessera.cudagraph import CUDAGraphPiece
+from tessera.learn import SizeLearner, SizeTally
+from tessera.piece import PieceRunner, free_symbols
+from tessera.schedule import PieceWork, start_thread
+from tessera.split import SplitItem
+
+log = logging.getLogger(__name__)
+
+
+class Pieces(Protocol):
+    """What the learning reads and changes of the model's pieces (backend.PiecewiseBackend)."""
+
+    config: CompileConfig
+    prefix: str
+    state: CompileState
+    artifact_cache: ArtifactCache
+    phases: dict[str, float]
+    runners: dict[str, PieceRunner]
+    order: list[tuple[str, bool]]
+    graph_pieces: list[CUDAGraphPiece]
+    capture_sizes: tuple[int, ...]
+
+    def jobs_left(self) -> bool: ...
+
+    def add_artifact(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None: ...
+
+
+class SizeLearning:
+    """The sizes one model learns from its traffic (``compile_sizes="auto"``), or only counts."""
+
+    def __init__(self, owner: Pieces) -> None:
+        self.owner = owner
+        # What a learnt size compiles from (trace path only): each sized piece's work.
+        self.sized: list[PieceWork] = []
+        self._one_size_memo: bool | None = None
+        self.tally: SizeTally | None = None
+        # What records the learnt sizes for the next process (set by the model's traces).
+        self.learnt_sink: Callable[[Any], None] | None = None
+        self.idle = threading.Event()  # clear while learnt sizes compile
+        self.idle.set()
+        self._learn_queue: list[int] = []  # sizes learnt, waiting for the learning thread
+        self._learn_lock = threading.Lock()  # the queue, and a learnt size's swap in or out
+
+    def start(self, learnt: Sequence[int] = ()) -> None:
+        """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
+        the hot ones (``learnt``: those an earlier process learnt, loaded)."""
+        runner = next(
+            (
+                self.owner.runners[n]
+                for n, splitting in self.owner.order
+                if n in self.owner.runners and self.owner.runners[n].source
+            ),
+            None,
+        )
+        if runner is None:
+            return
+        learner = None
+        if self.owner.config.auto_sizes:
+            learner = SizeLearner(
+                self.owner.config.auto_sizes,
+                self.owner.config.auto_sizes_share,
+                self.owner.config.sizes,
+                learnt,
+                self._learn,
+                self._retire,
+                self._may_learn,
+            )
+            if not self.sized:
+                log.info(
+                    "%s: auto sizes: the pieces were loaded, not traced, so this process serves the %d "
+                    "learnt size(s) it loaded and learns none (a process that traces the model does)",
+                    self.owner.prefix,
+                    len(learner.learnt),
+                )
+            elif not self._one_size():
+                log.info(
+                    "%s: auto sizes: the pieces have more than one dynamic size and a learnt size "
+                    "specialises one, so none is learnt; mark the one dim that varies with dynamic_dims",
+                    self.owner.prefix,
+                )
+        self.tally = SizeTally(learner)
+        runner.tally = self.tally
+        for piece in self.owner.graph_pieces:  # its replays bypass the runner: counted by the piece
+            if piece.fn is runner:
+                piece.tally = self.tally
+
+    def _one_size(self) -> bool:
+        """Whether static sizes can be compiled here: this process traced the pieces, and they
+        share one dynamic size (worked out once: the pieces are built before anything is served)."""
+        if self._one_size_memo is None:
+            symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self.sized}
+            self._one_size_memo = len(symbols) == 1 and len(next(iter(symbols))) == 1
+        return self._one_size_memo
+
+    @property
+    def learnt_sizes(self) -> tuple[int, ...]:
+        """The sizes learnt from traffic that serve now, in the order learnt."""
+        learner = self.tally.learner if self.tally is not None else None
+        return learner.learnt if learner is not None else ()
+
+    def _may_learn(self) -> bool:
+        # The trace's own sizes first: nothing is left for the background compile.
+        return not self.owner.jobs_left() and self._one_size()
+
+    def _learn(self, size: int) -> None:
+        """Queue ``size`` for the learning thread (started when none runs): it compiles every
+        sized piece at that size and swaps them in (as a background compile does), then records
+        the learnt sizes for the next process."""
+        with self._learn_lock:
+            self._learn_queue.append(size)
+            if not self.idle.is_set():
+                return
+            self.idle.clear()
+        start_thread(f"tessera-learn-{self.owner.prefix}", self._learn_loop)
+
+    def _learn_loop(self) -> None:
+        assert self.tally is not None and self.tally.learner is not None
+        learner = self.tally.learner
+        while True:
+            with self._learn_lock:
+                if not self._learn_queue:
+                    self.idle.set()
+                    return
+                size = self._learn_queue.pop(0)
+            if self._compile_learnt(size):
+                learner.look(decay=False)  # the next hot size now, not EVERY calls later
+
+    def _compile_learnt(self, size: int) -> bool:
+        """Compile and swap in one learnt size; whether it was."""
+        assert self.tally is not None and self.tally.learner is not None
+        learner = self.tally.learner
+        start = time.perf_counter()
+        try:
+            obtained = []
+            with self.owner.state.applied():
+                for work in self.sized:
+                    item, key = work.item, self.owner.artifact_cache.content_key(work.content, size)
+                    with COMPILE_LOCK:
+                        outcome = self.owner.artifact_cache.get(
+                            item.graph, work.inputs(size), size, item.index, key
+                        )
+                    obtained.append((item, outcome))
+            with COMPILE_LOCK:
+                self.owner.artifact_cache.flush()
+            with self._learn_lock:
+                if size not in learner.learnt:  # retired while it compiled: the artifacts stay unused
+                    return False
+                for item, outcome in obtained:  # every piece at once
+                    self.owner.add_artifact(item, size, outcome)
+                for piece in self.owner.graph_pieces:  # captured from the next call of a size it pads
+                    piece.add_capture_size(size)
+                if self.owner.graph_pieces:
+                    self.owner.capture_sizes = tuple(sorted({*self.owner.capture_sizes, size}))
+            counters.bump("sizes_learnt")
+            self.owner.phases["learn_sizes"] = (
+                self.owner.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
+            )
+            log.info("%s: size %d learnt in %.2fs", self.owner.prefix, size, time.perf_counter() - start)
+            if self.learnt_sink is not None:
+                try:
+                    self.learnt_sink(self.owner)
+                except Exception as e:  # a hint for the next process: never a failure here
+                    log.warning(
+                        "%s: the learnt sizes were not recorded (%s: %s)",
+                        self.owner.prefix,
+                        type(e).__name__,
+                        e,
+                    )
+            return True
+        except Exception as e:  # what serves keeps serving; the size is not tried again
+            learner.refuse(size)
+            log.warning(
+                "%s: compiling learnt size %d failed (%s: %s); the general artifact keeps serving it",
+                self.owner.prefix,
+                size,
+                type(e).__name__,
+                e,
+            )
+            return False
+
+    def _retire(self, size: int) -> None:
+        """A learnt size no longer hot: its artifact out of every piece (calls of that size go
+        to the general artifact, or a range), and out of the record for the next process."""
+        with self._learn_lock:
+            for runner in list(self.owner.runners.values()):
+                runner.drop(size)
+            for piece in self.owner.graph_pieces:
+                piece.remove_capture_size(size)
+            if self.owner.graph_pieces:
+                self.owner.capture_sizes = tuple(s for s in self.owner.capture_sizes if s != size)
+        # Recorded for the next process by the learning thread, once the size that takes this
+        # one's place is in (a retirement is always for a newcomer): never a write, or a remote
+        # publish, on the serving call that made the look.
+        counters.bump("sizes_retired")
