@@ -2,8 +2,9 @@
 
 Trace path: Dynamo calls it with the traced graph → split module → per-piece records from the
 example values → runners (compiled or loaded per size) swapped into the split module. Warm path:
-``from_entry`` builds the same state from the whole-model artifact, without Dynamo. Either way
-the backend writes its own whole-model artifact (``save_artifact``).
+``warm.rebuild`` builds the same state from the whole-model artifact, without Dynamo, and
+``warm.save_artifact`` writes that artifact from a traced backend. What is left to compile after
+the first output is ``schedule.py``'s; the sizes learnt from traffic, ``size_learning.py``'s.
 """
 
 from __future__ import annotations
@@ -12,25 +13,20 @@ import contextlib
 import dataclasses
 import json
 import logging
-import pickle
 import threading
 import time
-import types
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import filelock
 import torch
 import torch.fx
 
 from tessera import _compat, counters
 from tessera.aliases import replay_input_aliases
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
-from tessera.cache import artifact as model_artifact
-from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
-from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
+from tessera.cache.entry import CacheEntry
 from tessera.cache.index import index_key
 from tessera.cache.key import (
     SourceFile,
@@ -42,7 +38,6 @@ from tessera.cache.key import (
 )
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
-from tessera.call_check import CallSpec
 from tessera.compile_pool import CompilePool, WorkerFanOut, default_count, shared_pool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import (
@@ -51,12 +46,11 @@ from tessera.compilers import (
     CountsPartitions,
     KeepsMachineRecord,
     ShowsOutputCode,
-    loads_without_graph,
 )
 from tessera.config import CompileConfig, Size, size_label
 from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.debug.dumps import Dumps
-from tessera.errors import CompilerError, FallbackWarning, TesseraWarning
+from tessera.errors import TesseraWarning
 from tessera.layout import LayoutKeeper, OutputLayout, output_layout
 from tessera.piece import (
     PieceRecord,
@@ -76,7 +70,6 @@ from tessera.split import (
     piece_calls,
     split_graph,
 )
-from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
@@ -136,9 +129,9 @@ class GraphReceiver:
 class PiecewiseBackend:
     """Splits, compiles or loads, and dispatches the pieces of one model.
 
-    Built whole by one of two classmethods: ``from_trace`` (Dynamo's graph, through
-    ``GraphReceiver``) or ``from_entry`` (the whole-model artifact of a warm start). The
-    constructor takes what both know before any piece: the cache entry is fixed for its life.
+    Built whole from Dynamo's graph (``from_trace``, through ``GraphReceiver``) or from the
+    whole-model artifact of a warm start (``warm.rebuild``). The constructor takes what both know
+    before any piece: the cache entry is fixed for its life.
     """
 
     def __init__(
@@ -296,7 +289,7 @@ class PiecewiseBackend:
             if item.is_splitting:
                 # The split module calls self.submod_N(...): an instance attribute shadows the
                 # submodule, so calls go straight to ours while the GraphModule stays printable.
-                kept = self._layout_kept(item.name, item.graph.forward, output_layout(item.graph))
+                kept = self.layout_kept(item.name, item.graph.forward, output_layout(item.graph))
                 split_gm.__dict__[item.name] = kept
         built = time.perf_counter()
         self.phases["split"] = built - start
@@ -407,7 +400,7 @@ class PiecewiseBackend:
         )
         runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
         runner.as_traced = item.graph.forward
-        split_gm.__dict__[item.name] = self._install_runner(record, runner)
+        split_gm.__dict__[item.name] = self.install_runner(record, runner)
 
     # -- serve first, specialise after ----------------------------------------------------------
     def _serves_traced(self) -> bool:
@@ -605,207 +598,8 @@ class PiecewiseBackend:
             return self.config.sizes
         return tuple(s for s in self.config.sizes if s >= 2)
 
-    # -- warm path -----------------------------------------------------------------------------
-    @classmethod
-    def from_entry(
-        cls,
-        config: CompileConfig,
-        compiler: Compiler,
-        cache_root: Path,
-        prefix: str,
-        entry_path: Path,
-        traced_fn: types.FunctionType,
-        keys: Sequence[str],
-        learnt: Sequence[int] = (),
-    ) -> tuple[PiecewiseBackend, dict[str, tuple[Callable[..., Any], CallSpec]]]:
-        """A complete backend rebuilt from the whole-model artifact in ``entry_path``, and for
-        each of the traces ``keys`` names that it holds and that binds here, the traced frame's
-        callable and what the trace assumed of a call. ``learnt``: the sizes an earlier process
-        learnt from traffic, loaded where the entry holds them.
-
-        Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
-        compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
-        artifact_cache.py): tracing again would not cure it.
-        """
-        start = time.perf_counter()
-        try:
-            entry = CacheEntry.open_existing(entry_path)
-            data = entry.read_model()
-        except EntryUnusable as e:
-            raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
-        read = time.perf_counter()
-        saved = model_artifact.loads(data)
-        variants = [v for v in saved.variants if v.key in keys or not any(keys)]
-        if not variants:
-            raise WarmStartUnavailable(f"entry {entry_path} no longer holds the trace its pointer names")
-        for variant in variants:
-            model_artifact.check_binds(variant)
-        backend = cls(
-            config,
-            compiler,
-            cache_root,
-            prefix,
-            entry=entry,
-            sources=saved.sources,
-            phases={"read_and_verify": read - start, "unpickle": time.perf_counter() - read},
-        )
-        backend.artifact_status = "loaded"
-        try:
-            forward = backend._rebuild(saved, learnt)
-            calls = {}
-            for variant in variants:
-                calls[variant.key] = (rebuild_call(variant.code, traced_fn, forward), variant.call_spec)
-        except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
-            raise
-        except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
-            reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
-            _warn_bug_once(reason, entry_path)
-            raise WarmStartUnavailable(reason) from e
-        backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
-        counters.bump("pieces", len(backend.order))
-        counters.bump("compiled_pieces", len(saved.pieces))
-        backend.ready.set()  # every size was in the artifact
-        return backend, calls
-
-    def _rebuild(self, saved: ModelArtifact, learnt: Sequence[int] = ()) -> Callable[..., Any]:
-        """Runners, splitting pieces and the split module's forward from a whole-model artifact
-        (and the ``learnt`` sizes it holds artifacts for)."""
-        start = time.perf_counter()
-        graphs = {content: blob for content, blob in saved.graphs}
-        graph_of = dict(saved.piece_graphs)
-        unpickled: dict[str, torch.fx.GraphModule] = {}
-        needs_graph = not loads_without_graph(self.compiler)
-        attributes: dict[str, Any] = {}
-        loaded_learnt: set[int] = set()
-        for record in saved.pieces:
-            graph = None
-            if needs_graph:
-                content = graph_of.get(record.name)
-                if content is None:
-                    raise WarmStartUnavailable(f"{record.name}: its graph was not saved")
-                if content not in unpickled:  # identical pieces share one graph
-                    unpickled[content] = model_artifact.load_graph(graphs[content])
-                graph = unpickled[content]
-            artifacts = {}
-            for size in (None, *record.sizes, *record.ranges):
-                outcome = self.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
-                if isinstance(outcome, str):
-                    raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
-                artifacts[size] = outcome.fn
-                self.outcomes.append((record.name, size, outcome, time.time()))
-            for size in learnt if record.size_source is not None else ():
-                if size in artifacts or (self.config.max_size is not None and size > self.config.max_size):
-                    continue
-                found = self.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
-                if isinstance(found, str):  # not in this entry (yet): the general artifact serves it
-                    log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
-                    continue
-                artifacts[size] = found.fn
-                self.outcomes.append((record.name, size, found, time.time()))
-                loaded_learnt.add(size)
-            attributes[record.name] = self._install_runner(
-                record, PieceRunner(record.name, artifacts, record.size_source, self.config.max_size)
-            )
-        loaded = time.perf_counter()
-        self.phases["load_kernels"] = loaded - start
-        built: dict[str, Callable[..., Any]] = {}
-        layouts = dict(saved.layouts)
-        for name, module in saved.modules:
-            if module.source not in built:  # identical splitting pieces: one exec
-                built[module.source] = module.build({})
-            attributes[name] = self._layout_kept(name, built[module.source], layouts.get(name))
-        forward = saved.split_module.build(attributes)
-        names = sorted(attributes, key=lambda n: int(n.rsplit("_", 1)[1]))
-        splitting = {name for name, _ in saved.modules}
-        self.order = [(n, n in splitting) for n in names]
-        self.split_forward = forward
-        if (
-            self.graph_backend is not None
-            and self.config.auto_sizes
-            and self.config.cudagraph_capture_sizes is None
-        ):
-            for piece in self.graph_pieces:
-                for size in loaded_learnt:
-                    piece.add_capture_size(size)
-            self.capture_sizes = tuple(sorted({*self.capture_sizes, *loaded_learnt}))
-        self.learning.start(sorted(loaded_learnt, key=list(learnt).index))
-        return forward
-
-    # -- the whole-model artifact --------------------------------------------------------------
-    def save_artifact(
-        self,
-        fingerprint: str,
-        traced_fn: types.FunctionType,
-        code: types.CodeType,
-        spec: CallSpec,
-        reason: str = "the first call",
-    ) -> bool:
-        """After a trace: write the whole-model artifact and add it to the fingerprint's pointer
-        (``reason``: why the trace was made). Whether both were written."""
-        entry, split_gm = self.entry, self.split_gm
-        if entry is None or split_gm is None or self.cache_root is None:
-            return False
-        start = time.perf_counter()
-        unsaved = [i.name for i in self.items if not i.is_splitting and not self._saved(i)]
-        if unsaved:
-            self.artifact_status = f"not written: {unsaved} were not saved by compiler {self.compiler.name}"
-            log.info("no whole-model artifact: %s", self.artifact_status)
-            return False
-        try:
-            portable: PortableCode = capture_code(code, traced_fn)
-            saved: ModelArtifact = model_artifact.make(
-                portable,
-                split_gm,
-                [self.records[i.name] for i in self.items if not i.is_splitting],
-                [i.name for i in self.items if i.is_splitting],
-                list(self.layouts.items()),
-                self.sources,
-                None if loads_without_graph(self.compiler) else self.contents,
-                spec,
-            )
-        except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
-            self.artifact_status = f"not written: {e}"
-            log.info("no whole-model artifact (the next process traces again): %s", e)
-            return False
-        try:
-            with filelock.FileLock(str(entry.path / ".model.lock")):
-                # Another trace of this model with the same graph may be saved there: kept.
-                saved = saved.with_variants_of(_saved_artifact(entry))
-                blob = model_artifact.dumps(saved)
-                entry.write_model(blob)
-        except OSError as e:  # the model runs; the next process traces again
-            self.artifact_status = f"not written: {e.strerror}"
-            warn_write_failed(entry.path, e)
-            return False
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            # What the call check compares against includes a value that cannot be saved (a class
-            # defined inside a function): this process runs; the next one traces again.
-            self.artifact_status = f"not written: the call check holds a value that cannot be saved ({e})"
-            log.info("no whole-model artifact (the next process traces again): %s", e)
-            return False
-        try:
-            key = saved.variants[-1].key
-            model_artifact.write_pointer(self.cache_root, fingerprint, entry.path, reason, key)
-        except OSError as e:  # the model runs; the next process traces again
-            self.artifact_status = f"not written: {e.strerror}"
-            warn_write_failed(entry.path, e)
-            return False
-        self.artifact_status = "written"
-        self.phases["whole_model_artifact"] = time.perf_counter() - start
-        return True
-
-    def _saved(self, item: SplitItem) -> bool:
-        record = self.records.get(item.name)
-        if record is None or self.entry is None:
-            return False
-        entries = self.entry.index.entries
-        return all(
-            (key, item.index, self.compiler.name) in entries
-            for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
-        )
-
     # -- shared ------------------------------------------------------------------------------------
-    def _layout_kept(
+    def layout_kept(
         self, name: str, fn: Callable[..., Any], layout: OutputLayout | None
     ) -> Callable[..., Any]:
         """A splitting piece, through a LayoutKeeper when its outputs' layout matters (layout.py)."""
@@ -815,7 +609,7 @@ class PiecewiseBackend:
             return LayoutKeeper(fn, layout)
         return fn
 
-    def _install_runner(self, record: PieceRecord, runner: PieceRunner) -> Callable[..., Any]:
+    def install_runner(self, record: PieceRecord, runner: PieceRunner) -> Callable[..., Any]:
         """What the split module calls for this piece: the runner, under CUDA graphs when enabled."""
         self.runners[record.name] = runner
         self.records[record.name] = record
@@ -866,36 +660,11 @@ class PiecewiseBackend:
         return self.artifact_cache.compiled
 
 
-def _saved_artifact(entry: CacheEntry) -> ModelArtifact | None:
-    """The whole-model artifact the entry holds now, if it loads."""
-    try:
-        return model_artifact.loads(entry.read_model())
-    except (EntryUnusable, WarmStartUnavailable):
-        return None
-
-
 def _worker_fit(fake_args: Sequence[Any]) -> bool:
     """Whether a piece's static sizes can go to a compile worker: it has a size, and its inputs
     are on the CPU (see InductorCompiler.job)."""
     return find_size_source(fake_args) is not None and all(
         not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in fake_args
-    )
-
-
-_WARNED_BUGS: set[str] = set()  # rebuild failures already warned about by this process
-
-
-def _warn_bug_once(reason: str, entry_path: Path) -> None:
-    """One FallbackWarning per distinct failure per process (each is counted, warned or not)."""
-    if reason in _WARNED_BUGS:
-        return
-    _WARNED_BUGS.add(reason)
-    warnings.warn(
-        f"tessera: the whole-model artifact in {entry_path} was not used: {reason}. This is neither "
-        "damage nor a changed model, so it is likely a bug; the model was traced instead and results "
-        "are unaffected. Please report it with this message",
-        FallbackWarning,
-        stacklevel=4,
     )
 
 

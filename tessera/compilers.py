@@ -188,7 +188,7 @@ class InductorCompiler:
     """Inductor's standalone compile; each artifact is one piece file (see piece_file.PieceFile)."""
 
     name = "inductor"
-    loads_without_graph = True  # a piece file holds all its load needs (see backend.from_entry)
+    loads_without_graph = True  # a piece file holds all its load needs (see warm.rebuild)
 
     def __init__(self) -> None:
         self.cache_dir: Path | None = None

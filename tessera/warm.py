@@ -9,21 +9,31 @@ and said once when it is not damage or a changed model); the others still serve.
 from __future__ import annotations
 
 import logging
+import pickle
+import time
 import types
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import filelock
+import torch
+
 from tessera import counters
 from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact
-from tessera.cache.artifact import WarmStartUnavailable
-from tessera.cache.entry import warn_write_failed
+from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
+from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.cache.remote import RemoteTier, publish
 from tessera.call_check import CallSpec
-from tessera.compilers import make_compiler
-from tessera.config import CompileConfig
+from tessera.compilers import Compiler, loads_without_graph, make_compiler
+from tessera.config import CompileConfig, size_label
+from tessera.errors import CompilerError, FallbackWarning
+from tessera.piece import PieceRunner
+from tessera.split import SplitItem
+from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +74,7 @@ def load(
         by_entry.setdefault(entry_path, []).append((key, reason))
     for entry_path, traces in by_entry.items():
         try:
-            backend, calls = PiecewiseBackend.from_entry(
+            backend, calls = rebuild(
                 config,
                 make_compiler(config.backend),  # one per entry: a compiler writes into one entry
                 root,
@@ -99,7 +109,7 @@ def save(
 ) -> None:
     """After a trace, once every size is compiled: its artifact, the fingerprint's pointer and
     the trace plan beside it, and with a remote tier all of them for the fleet."""
-    saved = backend.save_artifact(fingerprint, traced_fn, code, spec, reason)
+    saved = save_artifact(backend, fingerprint, traced_fn, code, spec, reason)
     save_plan(root, fingerprint, plan)  # after the pointer it goes in (an earlier trace's, if not saved)
     if saved and remote is not None and backend.entry is not None:
         publish(remote, root, fingerprint, backend.entry)
@@ -130,3 +140,230 @@ def save_plan(root: Path, fingerprint: str, plan: dict[str, list[Any]]) -> None:
 
 def load_plan(root: Path, fingerprint: str) -> dict[str, list[Any]]:
     return model_artifact.read_plan(root, fingerprint)
+
+
+# -- one entry's whole-model artifact: rebuilt into a backend, written from one ----------------
+def rebuild(
+    config: CompileConfig,
+    compiler: Compiler,
+    cache_root: Path,
+    prefix: str,
+    entry_path: Path,
+    traced_fn: types.FunctionType,
+    keys: Sequence[str],
+    learnt: Sequence[int] = (),
+) -> tuple[PiecewiseBackend, dict[str, tuple[Callable[..., Any], CallSpec]]]:
+    """A complete backend rebuilt from the whole-model artifact in ``entry_path``, and for
+    each of the traces ``keys`` names that it holds and that binds here, the traced frame's
+    callable and what the trace assumed of a call. ``learnt``: the sizes an earlier process
+    learnt from traffic, loaded where the entry holds them.
+
+    Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
+    compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
+    artifact_cache.py): tracing again would not cure it.
+    """
+    start = time.perf_counter()
+    try:
+        entry = CacheEntry.open_existing(entry_path)
+        data = entry.read_model()
+    except EntryUnusable as e:
+        raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
+    read = time.perf_counter()
+    saved = model_artifact.loads(data)
+    variants = [v for v in saved.variants if v.key in keys or not any(keys)]
+    if not variants:
+        raise WarmStartUnavailable(f"entry {entry_path} no longer holds the trace its pointer names")
+    for variant in variants:
+        model_artifact.check_binds(variant)
+    backend = PiecewiseBackend(
+        config,
+        compiler,
+        cache_root,
+        prefix,
+        entry=entry,
+        sources=saved.sources,
+        phases={"read_and_verify": read - start, "unpickle": time.perf_counter() - read},
+    )
+    backend.artifact_status = "loaded"
+    try:
+        forward = _install_saved(backend, saved, learnt)
+        calls = {}
+        for variant in variants:
+            calls[variant.key] = (rebuild_call(variant.code, traced_fn, forward), variant.call_spec)
+    except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
+        raise
+    except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
+        reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
+        _warn_bug_once(reason, entry_path)
+        raise WarmStartUnavailable(reason) from e
+    backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
+    counters.bump("pieces", len(backend.order))
+    counters.bump("compiled_pieces", len(saved.pieces))
+    backend.ready.set()  # every size was in the artifact
+    return backend, calls
+
+
+def _install_saved(
+    backend: PiecewiseBackend, saved: ModelArtifact, learnt: Sequence[int] = ()
+) -> Callable[..., Any]:
+    """Runners, splitting pieces and the split module's forward from a whole-model artifact
+    (and the ``learnt`` sizes it holds artifacts for)."""
+    start = time.perf_counter()
+    graphs = {content: blob for content, blob in saved.graphs}
+    graph_of = dict(saved.piece_graphs)
+    unpickled: dict[str, torch.fx.GraphModule] = {}
+    needs_graph = not loads_without_graph(backend.compiler)
+    attributes: dict[str, Any] = {}
+    loaded_learnt: set[int] = set()
+    for record in saved.pieces:
+        graph = None
+        if needs_graph:
+            content = graph_of.get(record.name)
+            if content is None:
+                raise WarmStartUnavailable(f"{record.name}: its graph was not saved")
+            if content not in unpickled:  # identical pieces share one graph
+                unpickled[content] = model_artifact.load_graph(graphs[content])
+            graph = unpickled[content]
+        artifacts = {}
+        for size in (None, *record.sizes, *record.ranges):
+            outcome = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+            if isinstance(outcome, str):
+                raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
+            artifacts[size] = outcome.fn
+            backend.outcomes.append((record.name, size, outcome, time.time()))
+        for size in learnt if record.size_source is not None else ():
+            if size in artifacts or (backend.config.max_size is not None and size > backend.config.max_size):
+                continue
+            found = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+            if isinstance(found, str):  # not in this entry (yet): the general artifact serves it
+                log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
+                continue
+            artifacts[size] = found.fn
+            backend.outcomes.append((record.name, size, found, time.time()))
+            loaded_learnt.add(size)
+        attributes[record.name] = backend.install_runner(
+            record, PieceRunner(record.name, artifacts, record.size_source, backend.config.max_size)
+        )
+    loaded = time.perf_counter()
+    backend.phases["load_kernels"] = loaded - start
+    built: dict[str, Callable[..., Any]] = {}
+    layouts = dict(saved.layouts)
+    for name, module in saved.modules:
+        if module.source not in built:  # identical splitting pieces: one exec
+            built[module.source] = module.build({})
+        attributes[name] = backend.layout_kept(name, built[module.source], layouts.get(name))
+    forward = saved.split_module.build(attributes)
+    names = sorted(attributes, key=lambda n: int(n.rsplit("_", 1)[1]))
+    splitting = {name for name, _ in saved.modules}
+    backend.order = [(n, n in splitting) for n in names]
+    backend.split_forward = forward
+    if (
+        backend.graph_backend is not None
+        and backend.config.auto_sizes
+        and backend.config.cudagraph_capture_sizes is None
+    ):
+        for piece in backend.graph_pieces:
+            for size in loaded_learnt:
+                piece.add_capture_size(size)
+        backend.capture_sizes = tuple(sorted({*backend.capture_sizes, *loaded_learnt}))
+    backend.learning.start(sorted(loaded_learnt, key=list(learnt).index))
+    return forward
+
+
+def save_artifact(
+    backend: PiecewiseBackend,
+    fingerprint: str,
+    traced_fn: types.FunctionType,
+    code: types.CodeType,
+    spec: CallSpec,
+    reason: str = "the first call",
+) -> bool:
+    """After a trace: write the whole-model artifact and add it to the fingerprint's pointer
+    (``reason``: why the trace was made). Whether both were written."""
+    entry, split_gm = backend.entry, backend.split_gm
+    if entry is None or split_gm is None or backend.cache_root is None:
+        return False
+    start = time.perf_counter()
+    unsaved = [i.name for i in backend.items if not i.is_splitting and not _saved(backend, i)]
+    if unsaved:
+        backend.artifact_status = f"not written: {unsaved} were not saved by compiler {backend.compiler.name}"
+        log.info("no whole-model artifact: %s", backend.artifact_status)
+        return False
+    try:
+        portable: PortableCode = capture_code(code, traced_fn)
+        saved: ModelArtifact = model_artifact.make(
+            portable,
+            split_gm,
+            [backend.records[i.name] for i in backend.items if not i.is_splitting],
+            [i.name for i in backend.items if i.is_splitting],
+            list(backend.layouts.items()),
+            backend.sources,
+            None if loads_without_graph(backend.compiler) else backend.contents,
+            spec,
+        )
+    except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
+        backend.artifact_status = f"not written: {e}"
+        log.info("no whole-model artifact (the next process traces again): %s", e)
+        return False
+    try:
+        with filelock.FileLock(str(entry.path / ".model.lock")):
+            # Another trace of this model with the same graph may be saved there: kept.
+            saved = saved.with_variants_of(_saved_artifact(entry))
+            blob = model_artifact.dumps(saved)
+            entry.write_model(blob)
+    except OSError as e:  # the model runs; the next process traces again
+        backend.artifact_status = f"not written: {e.strerror}"
+        warn_write_failed(entry.path, e)
+        return False
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        # What the call check compares against includes a value that cannot be saved (a class
+        # defined inside a function): this process runs; the next one traces again.
+        backend.artifact_status = f"not written: the call check holds a value that cannot be saved ({e})"
+        log.info("no whole-model artifact (the next process traces again): %s", e)
+        return False
+    try:
+        key = saved.variants[-1].key
+        model_artifact.write_pointer(backend.cache_root, fingerprint, entry.path, reason, key)
+    except OSError as e:  # the model runs; the next process traces again
+        backend.artifact_status = f"not written: {e.strerror}"
+        warn_write_failed(entry.path, e)
+        return False
+    backend.artifact_status = "written"
+    backend.phases["whole_model_artifact"] = time.perf_counter() - start
+    return True
+
+
+def _saved(backend: PiecewiseBackend, item: SplitItem) -> bool:
+    record = backend.records.get(item.name)
+    if record is None or backend.entry is None:
+        return False
+    entries = backend.entry.index.entries
+    return all(
+        (key, item.index, backend.compiler.name) in entries
+        for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
+    )
+
+
+def _saved_artifact(entry: CacheEntry) -> ModelArtifact | None:
+    """The whole-model artifact the entry holds now, if it loads."""
+    try:
+        return model_artifact.loads(entry.read_model())
+    except (EntryUnusable, WarmStartUnavailable):
+        return None
+
+
+_WARNED_BUGS: set[str] = set()  # rebuild failures already warned about by this process
+
+
+def _warn_bug_once(reason: str, entry_path: Path) -> None:
+    """One FallbackWarning per distinct failure per process (each is counted, warned or not)."""
+    if reason in _WARNED_BUGS:
+        return
+    _WARNED_BUGS.add(reason)
+    warnings.warn(
+        f"tessera: the whole-model artifact in {entry_path} was not used: {reason}. This is neither "
+        "damage nor a changed model, so it is likely a bug; the model was traced instead and results "
+        "are unaffected. Please report it with this message",
+        FallbackWarning,
+        stacklevel=4,
+    )

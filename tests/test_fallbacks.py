@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tessera
-from tessera import backend as backend_module
 from tessera import errors
+from tessera import warm as warm_module
 from tessera.cache import index
 from tessera.cache.entry import INDEX, CacheDamagedWarning
 from tessera.models import toy_llama
@@ -103,7 +103,7 @@ def test_an_unexpected_rebuild_failure_warns_once_by_name_and_is_counted(monkeyp
     def broken_rebuild(*args, **kwargs):
         raise RuntimeError("rebuild bug")
 
-    monkeypatch.setattr(backend_module, "rebuild_call", broken_rebuild)
+    monkeypatch.setattr(warm_module, "rebuild_call", broken_rebuild)
     with pytest.warns(errors.FallbackWarning, match=r"RuntimeError: rebuild bug"):
         again = _run(model, "eager")
     assert again.warm_start is False and "rebuild bug" in (again.warm_start_refused or "")
