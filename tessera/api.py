@@ -261,7 +261,7 @@ class CompiledModel:
         deadline = None if timeout is None else time.monotonic() + timeout
         for backend in self._backends():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not backend.ready.wait(left):
+            if not backend.background.ready.wait(left):
                 return False
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not backend.learning.idle.wait(left):  # a size learnt from traffic, compiling

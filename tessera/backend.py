@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ from tessera.cache.key import (
 )
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn
-from tessera.compile_pool import CompilePool, WorkerFanOut, default_count, shared_pool
+from tessera.compile_pool import CompilePool, default_count, shared_pool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import (
     Compiler,
@@ -60,7 +59,7 @@ from tessera.piece import (
 )
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
-from tessera.schedule import Job, PieceWork, general_first, start_thread
+from tessera.schedule import Background
 from tessera.size_learning import SizeLearning
 from tessera.split import (
     SplitItem,
@@ -70,6 +69,7 @@ from tessera.split import (
     piece_calls,
     split_graph,
 )
+from tessera.work import Job, PieceWork
 
 log = logging.getLogger(__name__)
 log_cudagraph = logging.getLogger("tessera.cudagraph")
@@ -173,19 +173,13 @@ class PiecewiseBackend:
         # (piece, size, how obtained, when: wall-clock seconds), in the order obtained
         self.outcomes: list[tuple[str, Size, CompileOutcome, float]] = []
         self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
-        # Serve first, specialise after: the artifacts left for the background thread, and
-        # whether every size is in place (set when nothing is left).
-        self._later: list[Job] = []
+        # Serve first, specialise after: what is left for after the first output (schedule.py).
+        self.background = Background(self, before_ready=self._look_at_sizes)
         # Whether a piece may serve as traced (eagerly) until its general artifact is compiled in
         # the background (CompileConfig.serve_while_compiling). The model sets it for its dynamic
         # trace; a trace for one small size compiles at once (that size is the whole workload).
         self.serve_traced = serve_traced
-        self.ready = threading.Event()
-        self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
-        self._after_lock = threading.Lock()
-        self.background_status = "none"  # "none", "running", "done", or "failed: <why>"
-        self._worker_failure_said = False  # a compile worker's failure is warned once per model
-        self._pool: CompilePool | None = None  # compile workers for this model's static sizes
+        self.pool: CompilePool | None = None  # compile workers for this model's static sizes
         # CUDA graphs: one backend (memory pool) for every piece and size of this model.
         self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
         self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
@@ -215,7 +209,7 @@ class PiecewiseBackend:
     ) -> PiecewiseBackend:
         """A complete backend from Dynamo's traced graph: split at the splitting ops, its cache
         entry made, every piece compiled or loaded (or, in the background, left for
-        ``start_background``) and swapped into the split module (``split_forward``)."""
+        ``Background.start``) and swapped into the split module (``split_forward``)."""
         counters.bump("graphs_traced")
         if config.mode == "trace_once" or config.cudagraph_mode == "full" or config.graph_partition:
             # One piece, the whole graph: captured whole ("full"), or partitioned by Inductor itself.
@@ -301,10 +295,10 @@ class PiecewiseBackend:
             for s in (self._sizes(fake)[:1] if later else self._sizes(fake))
         }
         # Started now, so that the workers import Inductor while the general artifacts compile.
-        self._pool = self._compile_pool(any(_worker_fit(fake) for _, fake, _ in calls))
+        self.pool = self._compile_pool(any(_worker_fit(fake) for _, fake, _ in calls))
         # Up front with workers: every general artifact here first, then the rest at once, the
         # static sizes in the workers (as in the background, but before the first output).
-        rest_now = not later and self._pool is not None
+        rest_now = not later and self.pool is not None
         entry = self.artifact_cache.entry
         turn = compile_turn(entry, needed, self.remote) if entry is not None else contextlib.nullcontext()
         progress = CompileProgress(self.prefix, len(needed))
@@ -316,15 +310,15 @@ class PiecewiseBackend:
                             split_gm, item, fake_args, real_args, progress, general_only=later or rest_now
                         )
                     if rest_now:
-                        self._compile_rest(progress)
+                        self.background.compile_all(progress)
                 finally:
                     # One index write for the turn (not one per piece or link: that made a cold
                     # start quadratic in the layers), before the turn lets sibling ranks read it.
                     self.artifact_cache.flush()
         finally:
             progress.close()
-        if not self._later:
-            self.ready.set()
+        if not self.background.left():
+            self.background.ready.set()
         self.learning.start()
         self.phases["compile"] = time.perf_counter() - built
         log.debug("built %d piece runner(s) in %.2fs", len(self.runners), self.phases["compile"])
@@ -362,7 +356,7 @@ class PiecewiseBackend:
         work = PieceWork(item, fake_args, real_args, content)
         if source is not None:
             self.learning.sized.append(work)
-        self._later.extend(Job(work, size) for size in sizes[len(now) :])
+        self.background.jobs.extend(Job(work, size) for size in sizes[len(now) :])
         artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
         seconds = []
         timings = []
@@ -420,112 +414,17 @@ class PiecewiseBackend:
         captured graph holds the artifact it was captured with)."""
         return self.config.background_compile and self.graph_backend is None
 
-    def after_ready(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` once every size is in place: now if it is, else after the background compile
-        (a second trace sharing this backend saves its whole-model artifact then)."""
-        with self._after_lock:
-            if not self.ready.is_set():
-                self._after_ready.append(fn)
-                return
-        fn()
-
-    def _run_after_ready(self) -> None:
-        with self._after_lock:
-            waiting, self._after_ready = self._after_ready, []
-        for fn in waiting:
-            try:
-                fn()
-            except Exception as e:  # a save that fails costs the next process a trace, no more
-                log.warning("%s: after the background compile: %s: %s", self.prefix, type(e).__name__, e)
-
-    def start_background(self, then: Callable[[], None] | None = None) -> None:
-        """Compile what was left for later in a thread of its own (schedule.start_thread), swapping
-        each artifact in as it is ready, then run ``then`` (the whole-model artifact is written once
-        every size is in place, so that the next process loads them all)."""
-        if not self._later:
-            with self._after_lock:
-                self.ready.set()
-            if then is not None:
-                then()
-            return
-        self.background_status = "running"
-        start_thread(f"tessera-compile-{self.prefix}", self._compile_later, then)
-
-    def _compile_later(self, then: Callable[[], None] | None) -> None:
-        start = time.perf_counter()
-        try:
-            # This thread started with grad enabled and no autocast: compile as the trace was made.
-            with self.state.applied():
-                self._compile_rest()
-            with COMPILE_LOCK:
-                self.artifact_cache.flush()  # the background's artifacts in the index, in one write
-                # Every size is in place: said before `then` writes the report that tells it.
-                self.phases["background_compile"] = time.perf_counter() - start
-                self.background_status = "done"
-                if then is not None:
-                    then()
-        except Exception as e:  # what serves keeps serving: said once, and in the report
-            self.background_status = f"failed: {type(e).__name__}: {e}"
-            log.warning(
-                "%s: a background compile failed (%s: %s); what serves now (the general artifacts, "
-                "or pieces as traced) keeps serving every size",
-                self.prefix,
-                type(e).__name__,
-                e,
-            )
-        finally:
-            self.phases.setdefault("background_compile", time.perf_counter() - start)
-            self._later = []
-            # The sizes counted while the trace's own sizes compiled are learnt now, not at the
-            # next look; before ``ready`` is set, so that a wait for it waits for them too.
-            tally = self.learning.tally
-            learner = tally.learner if tally is not None else None
-            if learner is not None:
-                learner.look(decay=False)
-            with self._after_lock:
-                self.ready.set()
-            self._run_after_ready()
-
-    def _compile_rest(self, progress: CompileProgress | None = None) -> None:
-        """Compile what ``_build`` left (``_later``) and swap each artifact in as it is ready.
-
-        Every piece's general artifact first (pieces serving as traced get compiled code soonest),
-        then the compile sizes and ranges. Static sizes go to the compile workers, when there are
-        any, at once: they compile there while the others compile here."""
-
-        def install(job: Job, outcome: CompileOutcome) -> None:
-            self.add_artifact(job.work.item, job.size, outcome, progress)
-
-        fan_out = None
-        if self._pool is not None and isinstance(self.compiler, CompilesInWorkers):
-            fan_out = WorkerFanOut(
-                self._pool,
-                self.compiler,
-                self.artifact_cache,
-                self.config,
-                self.state,
-                install,
-                self._worker_failed,
-            )
-        jobs = general_first(self._later)
-        here = [job for job in jobs if fan_out is None or not fan_out.send(job)]
-        for job in here:
-            item, size = job.work.item, job.size
-            if progress is not None:
-                progress.start(item.name, size_label(size))
-            with COMPILE_LOCK:
-                key = self.artifact_cache.content_key(job.work.content, size)
-                outcome = self.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
-            install(job, outcome)
-            if fan_out is not None:
-                fan_out.take_replies(block=False)
-        if fan_out is not None:
-            fan_out.finish()
-        self._later = []
-
     def jobs_left(self) -> bool:
         """Whether artifacts of the trace's own sizes are still to compile (learning waits)."""
-        return bool(self._later)
+        return self.background.left()
+
+    def _look_at_sizes(self) -> None:
+        """The sizes counted while the trace's own sizes compiled are learnt now, not at the next
+        look (run by the background compile before it says every size is in place)."""
+        tally = self.learning.tally
+        learner = tally.learner if tally is not None else None
+        if learner is not None:
+            learner.look(decay=False)
 
     def add_artifact(
         self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
@@ -559,18 +458,6 @@ class PiecewiseBackend:
             return None
         count = self.config.compile_workers
         return shared_pool(default_count() if count is None else count)
-
-    def _worker_failed(self, job: Job, error: str) -> None:
-        """A compile worker failed (the piece is compiled here instead): warned once per model."""
-        if not self._worker_failure_said:
-            self._worker_failure_said = True
-            log.warning(
-                "%s: a compile worker failed on %s at size %s (%s); compiling here instead",
-                self.prefix,
-                job.work.item.name,
-                job.size,
-                error,
-            )
 
     def _record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
         """One artifact obtained: in torch's structured trace, and in the debug dumps."""

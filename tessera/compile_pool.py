@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from tessera.compile_state import CompileState
     from tessera.compilers import CompilesInWorkers
     from tessera.config import CompileConfig
-    from tessera.schedule import Job
+    from tessera.work import Job
 
 log = logging.getLogger(__name__)
 

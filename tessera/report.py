@@ -216,7 +216,7 @@ def build_report(
         cache_entry=str(entry.path) if entry is not None else None,
         whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
         total_seconds=total_seconds,
-        background=backend.background_status if backend is not None else "none",
+        background=backend.background.status if backend is not None else "none",
         all_sizes_ready_seconds=_all_ready(backend, total_seconds),
         fallbacks=fallbacks,
     )
@@ -272,7 +272,7 @@ def _all_ready(backend: Any, first_output: float) -> float | None:
     phases = dict(backend.phases)
     if "background_compile" in phases:
         return first_output + float(phases["background_compile"])
-    return first_output if backend.ready.is_set() else None
+    return first_output if backend.background.ready.is_set() else None
 
 
 def merge_graph_reports(

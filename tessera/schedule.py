@@ -1,57 +1,199 @@
-"""What a model's pieces still need compiled, as records: a piece's compile inputs (``PieceWork``)
-and one artifact to obtain (``Job``).
-
-The trace leaves jobs for after the first output (serve first, specialise after); the background
-thread takes them general artifacts first, so that pieces serving as traced get compiled code
-soonest, then every compile size and range. A size learnt from traffic is one job per sized piece.
+"""The background compile of a model's pieces (serve first, specialise after): the jobs a trace
+left for after its first output (work.py), the thread that compiles them, general artifacts first so
+that pieces serving as traced get compiled code soonest, then every compile size and range, and
+what waits for all of them. Also the one way a compile thread is started (``start_thread``).
 """
 
 from __future__ import annotations
 
 import contextvars
-import functools
+import enum
+import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tessera import _compat
-from tessera.config import Size
-from tessera.piece import specialize_inputs
+from tessera.compile_pool import WorkerFanOut
+from tessera.compile_state import COMPILE_LOCK, CompileState
+from tessera.compilers import CompilesInWorkers
+from tessera.config import CompileConfig, Size, size_label
 from tessera.split import SplitItem
+from tessera.work import Job, general_first
+
+if TYPE_CHECKING:
+    from tessera.artifact_cache import ArtifactCache, CompileOutcome
+    from tessera.compile_pool import CompilePool
+    from tessera.compilers import Compiler
+    from tessera.progress import CompileProgress
+
+log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PieceWork:
-    """What compiling one piece at any size needs: the piece, its example inputs as traced (fake)
-    and as the first call gave them (real; None where the trace made the value), and its content
-    hash (cache/key.piece_content), which names its artifacts."""
+class BackgroundOwner(Protocol):
+    """What the background compile (and the learning, size_learning.py) read and change of a
+    model's pieces: ``backend.PiecewiseBackend``."""
 
-    item: SplitItem
-    fake_args: Sequence[Any]
-    real_args: Sequence[Any | None]
-    content: str
+    config: CompileConfig
+    prefix: str
+    state: CompileState
+    compiler: Compiler
+    artifact_cache: ArtifactCache
+    phases: dict[str, float]
+    pool: CompilePool | None  # compile workers for the static sizes, when the model has them
 
-    def inputs(self, size: Size) -> Callable[[], Sequence[Any]]:
-        """The example inputs of a compile at ``size``, made when the compile needs them: a static
-        size's specialised to it, the fake ones as traced otherwise."""
-        if isinstance(size, int):
-            return functools.partial(specialize_inputs, self.item.name, self.fake_args, self.real_args, size)
-        return functools.partial(_as_is, self.fake_args)
+    def add_artifact(
+        self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
+    ) -> None: ...
 
 
-@dataclass(frozen=True)
-class Job:
-    """One artifact to obtain: ``work``'s piece at ``size`` (None: the general artifact)."""
+class BackgroundState(str, enum.Enum):
+    """Where the background compile of a model's trace is (the report shows the value)."""
 
-    work: PieceWork
-    size: Size
+    NONE = "none"  # nothing was left for after the first output
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # what serves keeps serving; Background.failure says why
 
 
-def general_first(jobs: Iterable[Job]) -> list[Job]:
-    """``jobs`` in the order the background takes them: every general artifact first, then the
-    sizes and ranges, each group in the order given."""
-    return sorted(jobs, key=lambda job: job.size is not None)
+class Background:
+    """The artifacts a trace left for after its first output (serve first, specialise after), the
+    thread that compiles them and swaps each in as it is ready, and what waits for all of them."""
+
+    def __init__(self, owner: BackgroundOwner, before_ready: Callable[[], None]) -> None:
+        """``before_ready``: run once the jobs are done, before ``ready`` is set (the learner
+        looks at the sizes counted meanwhile, so that a wait for ``ready`` waits for them too)."""
+        self.owner = owner
+        self.jobs: list[Job] = []
+        self.ready = threading.Event()  # set when every artifact of the trace is in place
+        self.state = BackgroundState.NONE
+        self.failure: str | None = None
+        self._before_ready = before_ready
+        self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
+        self._lock = threading.Lock()
+        self._worker_failure_said = False  # a compile worker's failure is warned once per model
+
+    @property
+    def status(self) -> str:
+        """The state, with the reason of a failure ("failed: RuntimeError: ...")."""
+        return f"failed: {self.failure}" if self.state is BackgroundState.FAILED else self.state.value
+
+    def left(self) -> bool:
+        """Whether artifacts are still to compile."""
+        return bool(self.jobs)
+
+    def after_ready(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once every size is in place: now if it is, else after the background compile
+        (a second trace sharing these pieces saves its whole-model artifact then)."""
+        with self._lock:
+            if not self.ready.is_set():
+                self._after_ready.append(fn)
+                return
+        fn()
+
+    def start(self, then: Callable[[], None] | None = None) -> None:
+        """Compile the jobs in a thread of its own (``start_thread``), then run ``then`` (the
+        whole-model artifact is written once every size is in place, so that the next process
+        loads them all)."""
+        if not self.jobs:
+            with self._lock:
+                self.ready.set()
+            if then is not None:
+                then()
+            return
+        self.state = BackgroundState.RUNNING
+        start_thread(f"tessera-compile-{self.owner.prefix}", self._run, then)
+
+    def compile_all(self, progress: CompileProgress | None = None) -> None:
+        """Compile every job and swap each artifact in as it is ready: every piece's general
+        artifact first (pieces serving as traced get compiled code soonest), then the compile sizes
+        and ranges. Static sizes go to the compile workers, when there are any, at once: they
+        compile there while the others compile here."""
+        owner = self.owner
+
+        def install(job: Job, outcome: CompileOutcome) -> None:
+            owner.add_artifact(job.work.item, job.size, outcome, progress)
+
+        fan_out = None
+        if owner.pool is not None and isinstance(owner.compiler, CompilesInWorkers):
+            fan_out = WorkerFanOut(
+                owner.pool,
+                owner.compiler,
+                owner.artifact_cache,
+                owner.config,
+                owner.state,
+                install,
+                self._worker_failed,
+            )
+        here = [job for job in general_first(self.jobs) if fan_out is None or not fan_out.send(job)]
+        for job in here:
+            item, size = job.work.item, job.size
+            if progress is not None:
+                progress.start(item.name, size_label(size))
+            with COMPILE_LOCK:
+                key = owner.artifact_cache.content_key(job.work.content, size)
+                outcome = owner.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
+            install(job, outcome)
+            if fan_out is not None:
+                fan_out.take_replies(block=False)
+        if fan_out is not None:
+            fan_out.finish()
+        self.jobs = []
+
+    def _run(self, then: Callable[[], None] | None) -> None:
+        owner = self.owner
+        start = time.perf_counter()
+        try:
+            # This thread started with grad enabled and no autocast: compile as the trace was made.
+            with owner.state.applied():
+                self.compile_all()
+            with COMPILE_LOCK:
+                owner.artifact_cache.flush()  # the background's artifacts in the index, in one write
+                # Every size is in place: said before `then` writes the report that tells it.
+                owner.phases["background_compile"] = time.perf_counter() - start
+                self.state = BackgroundState.DONE
+                if then is not None:
+                    then()
+        except Exception as e:  # what serves keeps serving: said once, and in the report
+            self.failure = f"{type(e).__name__}: {e}"
+            self.state = BackgroundState.FAILED
+            log.warning(
+                "%s: a background compile failed (%s); what serves now (the general artifacts, "
+                "or pieces as traced) keeps serving every size",
+                owner.prefix,
+                self.failure,
+            )
+        finally:
+            owner.phases.setdefault("background_compile", time.perf_counter() - start)
+            self.jobs = []
+            self._before_ready()
+            with self._lock:
+                self.ready.set()
+            self._run_after_ready()
+
+    def _run_after_ready(self) -> None:
+        with self._lock:
+            waiting, self._after_ready = self._after_ready, []
+        for fn in waiting:
+            try:
+                fn()
+            except Exception as e:  # a save that fails costs the next process a trace, no more
+                log.warning(
+                    "%s: after the background compile: %s: %s", self.owner.prefix, type(e).__name__, e
+                )
+
+    def _worker_failed(self, job: Job, error: str) -> None:
+        """A compile worker failed (the piece is compiled here instead): warned once per model."""
+        if not self._worker_failure_said:
+            self._worker_failure_said = True
+            log.warning(
+                "%s: a compile worker failed on %s at size %s (%s); compiling here instead",
+                self.owner.prefix,
+                job.work.item.name,
+                job.size,
+                error,
+            )
 
 
 def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Thread:
@@ -70,7 +212,3 @@ def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Th
     thread.start()
     _compat.join_before_pools_shut(thread)
     return thread
-
-
-def _as_is(values: Sequence[Any]) -> Sequence[Any]:
-    return values

@@ -17,13 +17,14 @@ from tessera.config import CompileConfig, Size
 from tessera.cudagraph import CUDAGraphPiece
 from tessera.learn import SizeLearner, SizeTally
 from tessera.piece import PieceRunner, free_symbols
-from tessera.schedule import PieceWork, start_thread
+from tessera.schedule import start_thread
 from tessera.split import SplitItem
+from tessera.work import PieceWork
 
 log = logging.getLogger(__name__)
 
 
-class Pieces(Protocol):
+class LearningOwner(Protocol):
     """What the learning reads and changes of the model's pieces (backend.PiecewiseBackend)."""
 
     config: CompileConfig
@@ -36,7 +37,7 @@ class Pieces(Protocol):
     graph_pieces: list[CUDAGraphPiece]
     capture_sizes: tuple[int, ...]
 
-    def jobs_left(self) -> bool: ...
+    def jobs_left(self) -> bool: ...  # the background compile still has the trace's own sizes
 
     def add_artifact(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None: ...
 
@@ -44,7 +45,7 @@ class Pieces(Protocol):
 class SizeLearning:
     """The sizes one model learns from its traffic (``compile_sizes="auto"``), or only counts."""
 
-    def __init__(self, owner: Pieces) -> None:
+    def __init__(self, owner: LearningOwner) -> None:
         self.owner = owner
         # What a learnt size compiles from (trace path only): each sized piece's work.
         self.sized: list[PieceWork] = []

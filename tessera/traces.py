@@ -405,10 +405,10 @@ class Traces:
         shared = next((e for e in self.entries[:-1] if e.backend is backend), None)
         if shared is not None:  # the graph of an earlier trace: its pieces serve this one too
             self._say(f"{model.name}: trace {entry.number} has the graph of trace {shared.number}, shared")
-            backend.after_ready(functools.partial(self._save, entry))
+            backend.background.after_ready(functools.partial(self._save, entry))
             return trace.output
-        backend.start_background(functools.partial(self._save, entry))
-        if not backend.ready.is_set():
+        backend.background.start(functools.partial(self._save, entry))
+        if not backend.background.ready.is_set():
             backend.artifact_status = "to be written once every size is compiled"
         return trace.output
 

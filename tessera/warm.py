@@ -199,7 +199,7 @@ def rebuild(
     backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
     counters.bump("pieces", len(backend.order))
     counters.bump("compiled_pieces", len(saved.pieces))
-    backend.ready.set()  # every size was in the artifact
+    backend.background.ready.set()  # every size was in the artifact
     return backend, calls
 
 
