@@ -101,7 +101,7 @@ class GraphCompiler:
         self._warned_sizes = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        from tessera.backend import PiecewiseBackend
+        from tessera.build import from_trace
         from tessera.cache.entry import cache_root
         from tessera.cache.remote import remote_tier
         from tessera.compilers import make_compiler, stock_backend
@@ -122,7 +122,7 @@ class GraphCompiler:
         root = None if config.disable_cache else cache_root(config.cache_dir)
         remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
         with torch.no_grad():  # nothing requires grad: the graph is an inference graph
-            backend = PiecewiseBackend.from_trace(
+            backend = from_trace(
                 gm, example_inputs, config, make_compiler(config.backend), root, self.prefix, remote=remote
             )
         assert backend.split_forward is not None

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, call_shapes, counters, dynamo_guards, validation, warm
-from tessera.backend import GraphReceiver, PiecewiseBackend
+from tessera.backend import PiecewiseBackend
+from tessera.build import GraphReceiver
 from tessera.cache.remote import RemoteTier
 from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import make_compiler

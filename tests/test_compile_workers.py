@@ -71,7 +71,7 @@ def fake_workers(monkeypatch):
     cls.FakePool.fail = False
     cls.FakePool.jobs = []
     cls.FakePool.graphs = {}
-    monkeypatch.setattr("tessera.backend.shared_pool", lambda count: cls.FakePool() if count else None)
+    monkeypatch.setattr("tessera.build.shared_pool", lambda count: cls.FakePool() if count else None)
     return cls  # the module tessera loads the compiler from (pytest may import this file apart)
 
 
