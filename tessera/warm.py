@@ -32,8 +32,8 @@ from tessera.compilers import Compiler, loads_without_graph, make_compiler
 from tessera.config import CompileConfig, size_label
 from tessera.errors import CompilerError, FallbackWarning
 from tessera.piece import PieceRunner
+from tessera.portable import NotPortable, PortableCode, capture_code, rebuild_call
 from tessera.split import SplitItem
-from tessera.wrapper import NotPortable, PortableCode, capture_code, rebuild_call
 
 log = logging.getLogger(__name__)
 

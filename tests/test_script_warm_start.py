@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import wrapper
+from tessera import portable
 from tessera.cache import artifact
 from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import CacheEntry
@@ -244,5 +244,5 @@ def test_a_namespace_dict_in_the_bytecode_is_not_saved_as_a_copy():
     code = compile("def f():\n    return ___unnamed_scope_1_c0['y']\n", "<test>", "exec")
     exec(code, namespace)
     namespace["___unnamed_scope_1_c0"] = {"y": 1}
-    with pytest.raises(wrapper.NotPortable, match="namespace"):
-        wrapper.capture_code(namespace["f"].__code__, namespace["f"])
+    with pytest.raises(portable.NotPortable, match="namespace"):
+        portable.capture_code(namespace["f"].__code__, namespace["f"])

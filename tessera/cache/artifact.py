@@ -43,7 +43,7 @@ from tessera.cache.key import SourceFile
 from tessera.call_check import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
-from tessera.wrapper import NotPortable, PortableCode, resolve_globals
+from tessera.portable import NotPortable, PortableCode, resolve_globals
 
 WARM_DIR = "warm"
 # 9: one artifact holds every trace of one graph (variants); 8: PortableCode binds every global
