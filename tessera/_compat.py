@@ -639,6 +639,15 @@ def size_hint(value: int | torch.SymInt) -> int:
     return int(hint(value))
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """A tensor's version counter, which an in-place write bumps (``Tensor._version``, torch
+    2.11-2.15; no public accessor); -1 for an inference tensor, which has none."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
+        return -1
+
+
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` views another's storage (``Tensor._is_view``, torch 2.11-2.15; fake
     tensors answer as the real ones would)."""

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import re
 import threading
 import time
 import types
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, call_shapes, counters, dynamo_guards, validation, warm
+from tessera import _compat, call_check, call_shapes, counters, dynamo_guards, warm
 from tessera.backend import PiecewiseBackend
 from tessera.build import GraphReceiver
 from tessera.cache.remote import RemoteTier
@@ -44,6 +43,21 @@ from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
 from tessera.report import TraceReport
+from tessera.trace_plan import (
+    GENERAL_HINT,
+    TracePlan,
+    changed_dims,
+    hinted,
+    merged_plans,
+    nested_tensors,
+    newcomer_dims,
+    plan_from_json,
+    plan_to_json,
+    size_floors,
+    small_apart,
+    small_dims,
+    widened,
+)
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
@@ -68,65 +82,6 @@ class TraceContext:
     prefix: str
     fingerprint: str | None
     remote: RemoteTier | None
-
-
-@dataclass(frozen=True)
-class TracePlan:
-    """How the next trace marks what may change between calls, widened by every re-trace."""
-
-    dims: tuple[tuple[str, int], ...] = ()  # top-level argument dims made dynamic by a re-trace
-    nested: tuple[tuple[str, int], ...] = ()  # dims of tensors inside arguments (path, dim)
-    state: tuple[str, ...] = ()  # Python ints of argument objects traced as symbols
-    # Dims (argument name or nested path, dim) whose sizes 0 and 1 the code treats apart: a call
-    # with such a size there is traced with it static, and the dim stays dynamic for every other
-    # call (Dynamo specialises a size of 0 or 1 the same way, graph by graph).
-    apart: frozenset[tuple[str, int]] = frozenset()
-    seen: frozenset[str] = frozenset()  # the tensor arguments some trace was made with
-    soft: bool = False  # marks are "maybe dynamic": Dynamo keeps a dim static where the code fixes it
-
-
-def plan_to_json(plan: TracePlan) -> dict[str, list[Any]]:
-    """A plan as JSON lists (saved beside the fingerprint's traces, cache/artifact.write_plan)."""
-    return {
-        "dims": [list(d) for d in plan.dims],
-        "nested": [list(d) for d in plan.nested],
-        "state": list(plan.state),
-        "apart": sorted(list(d) for d in plan.apart),
-        "seen": sorted(plan.seen),
-    }
-
-
-def plan_from_json(data: dict[str, list[Any]]) -> TracePlan:
-    """``plan_to_json``'s inverse; what is not well formed is left out (it only widens)."""
-
-    def pairs(key: str) -> tuple[tuple[str, int], ...]:
-        return tuple(
-            (str(p[0]), int(p[1]))
-            for p in data.get(key, [])
-            if isinstance(p, list) and len(p) == 2 and isinstance(p[1], int) and not isinstance(p[1], bool)
-        )
-
-    return TracePlan(
-        dims=pairs("dims"),
-        nested=pairs("nested"),
-        state=tuple(str(x) for x in data.get("state", []) if isinstance(x, str)),
-        apart=frozenset(pairs("apart")),
-        seen=frozenset(str(x) for x in data.get("seen", []) if isinstance(x, str)),
-    )
-
-
-def _merged_plans(a: TracePlan, b: TracePlan) -> TracePlan:
-    def union(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (*x, *(i for i in y if i not in x))
-
-    return TracePlan(
-        dims=union(a.dims, b.dims),
-        nested=union(a.nested, b.nested),
-        state=union(a.state, b.state),
-        apart=a.apart | b.apart,
-        seen=a.seen | b.seen,
-        soft=a.soft or b.soft,
-    )
 
 
 @dataclass(frozen=True)
@@ -219,9 +174,7 @@ class Traces:
         for trace in saved:
             fast = functools.partial(trace.call, self.model.target)
             self.held.append(self._entry(trace.spec, fast, trace.backend, trace.reason, loaded=True))
-        self.plan = _merged_plans(
-            self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint))
-        )
+        self.plan = merged_plans(self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint)))
 
     def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first call: served by a saved trace that covers it, else by a new trace."""
@@ -247,7 +200,8 @@ class Traces:
         that fails on the call's values where eager fails too raises eager's error (the caller's)."""
         with self._lock, self._eager_errors_first(args, kwargs):
             changed = self._changed_since_every_entry(args, kwargs)
-            self.plan = self._widened(self.plan, args, kwargs, [*mismatches, *changed])
+            names = call_check.argument_names(self.model.signature, args, kwargs)
+            self.plan = widened(self.plan, names, [*mismatches, *changed])
             try:
                 output = self._trace(args, kwargs, reason)
             except SizeFixedError as e:
@@ -272,7 +226,7 @@ class Traces:
             return
         kept = {a.expr for a in new.spec.assumptions}
         if all(
-            not a.floor and not a.state and _changed_dims(a, found) and a.expr not in kept
+            not a.floor and not a.state and changed_dims(a, found) and a.expr not in kept
             for a, found in mismatches
         ):
             self.entries = tuple(e for e in self.entries if e is not old)
@@ -289,7 +243,9 @@ class Traces:
 
     def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
         values = bind_arguments(self.model.func, self.model.bound_to, args, kwargs)
-        newcomers = [d for d in self._newcomer_dims(values) if d not in self.plan.dims]
+        newcomers = [
+            d for d in newcomer_dims(self.plan, values, bool(self.entries)) if d not in self.plan.dims
+        ]
         if newcomers:
             self.plan = dataclasses.replace(self.plan, dims=(*self.plan.dims, *newcomers))
         choice = self.choose(values)
@@ -310,7 +266,7 @@ class Traces:
         except Exception as e:
             if not oblivious or (isinstance(e, TesseraError) and not isinstance(e, UnsupportedModelError)):
                 raise
-            if _hinted(values, choice):
+            if hinted(values, choice):
                 # A size of 0 or 1 traced with a general hint, where another tensor of the call
                 # holds that size static (a decode step's batch of 1 in the cache's tensors): this
                 # call is traced for its size; the model's other traces stay size-oblivious.
@@ -350,7 +306,7 @@ class Traces:
         )
         start, wall = time.perf_counter(), time.time()
         versions = _versions(args, kwargs)
-        nested = [t for t, _ in self._nested_tensors(args, kwargs)]
+        nested = [t for t, _ in nested_tensors(self.plan, args, kwargs)]
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)] + nested
         with COMPILE_LOCK, _compat.dim_marks_restored(marked):
             mode = (
@@ -362,15 +318,15 @@ class Traces:
             if self.mark_nested is not None:
                 self.mark_nested(values)
             dynamo = _compat.dynamo()
-            for tensor, dim in self._nested_tensors(args, kwargs):
+            for tensor, dim in nested_tensors(self.plan, args, kwargs):
                 dynamo.maybe_mark_dynamic(tensor, dim)
             small = 0
             if oblivious:
                 # A dynamic size of 0 or 1 traced with a general hint: Inductor reads the hint as
                 # the size where it decides (a kernel for one row served two wrongly). The trace
                 # is kept only if this call holds every guard it made (_recorder).
-                for value, dim in _small_dims(values, choice):
-                    _compat.override_size_hint(value, dim, _GENERAL_HINT)
+                for value, dim in small_dims(values, choice):
+                    _compat.override_size_hint(value, dim, GENERAL_HINT)
                     small += 1
             trace = trace_once(
                 model.traced_fn,
@@ -504,27 +460,10 @@ class Traces:
             for n, d in self.plan.dims
             if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and (n, d) not in choice.dims
         ]
-        dims = tuple(d for d in (*choice.dims, *extra) if not self._small_apart(d[0], d[1], values.get(d[0])))
+        dims = tuple(
+            d for d in (*choice.dims, *extra) if not small_apart(self.plan, d[0], d[1], values.get(d[0]))
+        )
         return DynamicChoice(dims, choice.guessed or self.soft_dims or self.plan.soft or bool(extra))
-
-    def _newcomer_dims(self, values: dict[str, Any]) -> list[tuple[str, int]]:
-        """Dims of a tensor argument no earlier trace had (a mask a later call passes) whose size
-        is that of a dim found changing: marked "maybe dynamic" at once. Dynamo would trace the
-        newcomer static and make it dynamic a trace later; a static mask fixed the prompt's
-        length through the model's equality of the two, so each length was a trace of its own."""
-        if not self.entries or not self.plan.dims:
-            return []
-        sizes = {
-            values[n].shape[d]
-            for n, d in self.plan.dims
-            if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and values[n].shape[d] >= 2
-        }
-        out: list[tuple[str, int]] = []
-        for name, value in values.items():
-            if name in self.plan.seen or not isinstance(value, torch.Tensor):
-                continue
-            out.extend((name, d) for d, size in enumerate(value.shape) if size in sizes)
-        return out
 
     def _changed_since_every_entry(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -546,65 +485,6 @@ class Traces:
                 if not assumption.floor
             )
         return changed
-
-    def _small_apart(self, name: str, dim: int, value: Any) -> bool:
-        """Whether this call's size of ``name``'s ``dim`` is one the code treats apart (0 or 1,
-        where an earlier trace's floor broke): traced static, for this trace only."""
-        return (
-            (name, dim) in self.plan.apart
-            and isinstance(value, torch.Tensor)
-            and dim < value.dim()
-            and value.shape[dim] < 2
-        )
-
-    def _nested_tensors(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Iterator[tuple[torch.Tensor, int]]:
-        for path, dim in self.plan.nested:
-            try:
-                value = call_check.read_path(path, args, kwargs)
-            except Exception:
-                continue
-            if (
-                isinstance(value, torch.Tensor)
-                and dim < value.dim()
-                and not self._small_apart(path, dim, value)
-            ):
-                yield value, dim
-
-    def _widened(
-        self,
-        plan: TracePlan,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        mismatches: list[tuple[call_check.Assumption, Any]],
-    ) -> TracePlan:
-        """``plan`` with what changed between the nearest entry's trace and this call made
-        dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
-        entry bounded from below that this call goes under is traced static when it is that small
-        (its own entry), and stays dynamic for every other size."""
-        names = call_check.argument_names(self.model.signature, args, kwargs)
-        dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
-        apart = set(plan.apart)
-        for assumption, found in mismatches:
-            floor = _floor_parts(assumption.expr)
-            if assumption.floor and floor is not None:
-                path, dim = floor
-                apart.add((names[path], dim) if path in names else (path, dim))
-                continue
-            if assumption.state and validation.is_int(assumption.expected) and validation.is_int(found):
-                if _compat.supports_dynamic_state() and assumption.expr not in state:
-                    state.append(assumption.expr)
-                continue
-            for path, dim in _changed_dims(assumption, found):
-                if path in names:
-                    if (names[path], dim) not in dims:
-                        dims.append((names[path], dim))
-                elif (path, dim) not in nested:
-                    nested.append((path, dim))
-        return dataclasses.replace(
-            plan, dims=tuple(dims), nested=tuple(nested), state=tuple(state), apart=frozenset(apart)
-        )
 
     # -- the call check of a trace ----------------------------------------------------------------
     def _recorder(
@@ -636,7 +516,7 @@ class Traces:
                 facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
             )
             floors = (
-                _size_floors(symbols, not_at_one, lambda n: dynamo_guards.readable(n, names))
+                size_floors(symbols, not_at_one, lambda n: dynamo_guards.readable(n, names))
                 if oblivious
                 else ()
             )
@@ -845,24 +725,6 @@ class Traces:
         )
 
 
-# The size hint a dynamic size of 0 or 1 is traced with (see Traces._trace_with).
-_GENERAL_HINT = 8
-
-
-def _small_dims(values: dict[str, Any], choice: DynamicChoice) -> list[tuple[torch.Tensor, int]]:
-    """The dims marked dynamic whose size in this call is 0 or 1 (traced with a general hint)."""
-    out = []
-    for name, dim in choice.dims:
-        value = values.get(name)
-        if isinstance(value, torch.Tensor) and dim < value.dim() and value.shape[dim] < 2:
-            out.append((value, dim))
-    return out
-
-
-def _hinted(values: dict[str, Any], choice: DynamicChoice) -> bool:
-    return bool(_small_dims(values, choice))
-
-
 def _first_line(error: BaseException) -> str:
     """An exception's first line (torch's carry a page of context), for a log line."""
     text = str(error).strip()
@@ -871,63 +733,6 @@ def _first_line(error: BaseException) -> str:
 
 class _TracedAtOne(TraceAgain):
     """A size-oblivious trace made at a size one of its ops treats apart (size 1 for a squeeze)."""
-
-
-# ``2 <= args[0].size()[1]`` (Dynamo's floor) and ``args[0].shape[1] >= 2`` (ours, _size_floors).
-_FLOOR = re.compile(
-    r"^(?:\d+ <= (?P<path>.+?)\.size\(\)\[(?P<dim>\d+)\]|(?P<p2>.+?)\.shape\[(?P<d2>\d+)\] >= \d+)$"
-)
-_SHAPE = re.compile(r"^(?P<path>(?:args|kwargs)\[.+?)\.shape(?:\[(?P<dim>\d+)\])?$")
-
-
-def _floor_parts(expr: str) -> tuple[str, int] | None:
-    match = _FLOOR.match(expr)
-    if match is None:
-        return None
-    if match.group("path") is not None:
-        return match.group("path"), int(match.group("dim"))
-    return match.group("p2"), int(match.group("d2"))
-
-
-def _changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[str, int]]:
-    """The (path, dim) of each static size of an argument's tensor this call changed."""
-    match = _SHAPE.match(assumption.expr)
-    if match is None:
-        return []
-    path = match.group("path")
-    if match.group("dim") is not None:
-        return [(path, int(match.group("dim")))] if validation.is_int(found) else []
-    expected = assumption.expected
-    if not isinstance(found, torch.Size) or len(found) != len(expected):
-        return []  # another rank: a trace of its own, nothing made dynamic
-    return [(path, d) for d, (f, e) in enumerate(zip(found, expected, strict=True)) if f != e]
-
-
-def _size_floors(
-    symbols: dict[str, tuple[str | None, ...]], not_at_one: frozenset[str], label: Callable[[str], str]
-) -> tuple[call_check.Assumption, ...]:
-    """A size-oblivious trace serves a dynamic size down to 1 (size 0 gets its own trace), and
-    down to 2 where an op of the graph treats 1 apart (``wrapper.size_one_symbols``)."""
-    out = []
-    seen: set[str] = set()
-    for name, dims in symbols.items():
-        if dynamo_guards.root_of(name) != "input":
-            continue
-        for d, symbol in enumerate(dims):
-            if symbol is None or symbol in seen or not re.fullmatch(r"s\d+", symbol):
-                continue
-            seen.add(symbol)
-            low = 2 if symbol in not_at_one else 1
-            why = "an op of the graph treats size 1 apart" if low == 2 else "size 0 is traced apart"
-            out.append(
-                call_check.Assumption(
-                    f"{name}.shape[{d}] >= {low}",
-                    True,
-                    f"sizes: {label(name)} dim {d} >= {low} ({why})",
-                    floor=True,
-                )
-            )
-    return tuple(out)
 
 
 def _layout_of_written_input(entry: TraceEntry, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
@@ -973,7 +778,7 @@ def _top_level_tensors(
 
 def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
     """The version counter of each top-level tensor argument (in-place writes bump it)."""
-    return {path: _version(tensor) for path, tensor in _top_level_tensors(args, kwargs)}
+    return {path: _compat.version_counter(tensor) for path, tensor in _top_level_tensors(args, kwargs)}
 
 
 def _changed(
@@ -981,12 +786,7 @@ def _changed(
 ) -> frozenset[tuple[str, str]]:
     """The arguments whose version moved since ``before``: the ones the model writes to."""
     return frozenset(
-        path for path, tensor in _top_level_tensors(args, kwargs) if before.get(path, -1) != _version(tensor)
+        path
+        for path, tensor in _top_level_tensors(args, kwargs)
+        if before.get(path, -1) != _compat.version_counter(tensor)
     )
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
-        return -1

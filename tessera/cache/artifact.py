@@ -368,7 +368,7 @@ def write_pointer(
 
 
 def write_plan(root: Path, fingerprint: str, plan: dict[str, list[Any]]) -> None:
-    """Record what the model's traces found changing between calls (traces.TracePlan, as JSON
+    """Record what the model's traces found changing between calls (trace_plan.TracePlan, as JSON
     lists), merged with what other processes recorded: the next process traces a new kind of call
     with those dims dynamic at once, as this one would (automatic dynamic across processes)."""
     from filelock import FileLock

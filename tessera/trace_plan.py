@@ -1,0 +1,229 @@
+"""How a model's next trace marks what may change between calls (``TracePlan``), widened by every
+trace made again, as Dynamo's automatic dynamic shapes: a size or argument int that changed
+against any trace is dynamic from then on; a size the code treats apart (0 or 1) is static only for
+calls of that size. Saved beside the model's traces for the next process (``plan_to_json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera import _compat, call_check, dynamo_guards, validation
+from tessera.wrapper import DynamicChoice
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """How the next trace marks what may change between calls, widened by every re-trace."""
+
+    dims: tuple[tuple[str, int], ...] = ()  # top-level argument dims made dynamic by a re-trace
+    nested: tuple[tuple[str, int], ...] = ()  # dims of tensors inside arguments (path, dim)
+    state: tuple[str, ...] = ()  # Python ints of argument objects traced as symbols
+    # Dims (argument name or nested path, dim) whose sizes 0 and 1 the code treats apart: a call
+    # with such a size there is traced with it static, and the dim stays dynamic for every other
+    # call (Dynamo specialises a size of 0 or 1 the same way, graph by graph).
+    apart: frozenset[tuple[str, int]] = frozenset()
+    seen: frozenset[str] = frozenset()  # the tensor arguments some trace was made with
+    soft: bool = False  # marks are "maybe dynamic": Dynamo keeps a dim static where the code fixes it
+
+
+def plan_to_json(plan: TracePlan) -> dict[str, list[Any]]:
+    """A plan as JSON lists (saved beside the fingerprint's traces, cache/artifact.write_plan)."""
+    return {
+        "dims": [list(d) for d in plan.dims],
+        "nested": [list(d) for d in plan.nested],
+        "state": list(plan.state),
+        "apart": sorted(list(d) for d in plan.apart),
+        "seen": sorted(plan.seen),
+    }
+
+
+def plan_from_json(data: dict[str, list[Any]]) -> TracePlan:
+    """``plan_to_json``'s inverse; what is not well formed is left out (it only widens)."""
+
+    def pairs(key: str) -> tuple[tuple[str, int], ...]:
+        return tuple(
+            (str(p[0]), int(p[1]))
+            for p in data.get(key, [])
+            if isinstance(p, list) and len(p) == 2 and isinstance(p[1], int) and not isinstance(p[1], bool)
+        )
+
+    return TracePlan(
+        dims=pairs("dims"),
+        nested=pairs("nested"),
+        state=tuple(str(x) for x in data.get("state", []) if isinstance(x, str)),
+        apart=frozenset(pairs("apart")),
+        seen=frozenset(str(x) for x in data.get("seen", []) if isinstance(x, str)),
+    )
+
+
+def merged_plans(a: TracePlan, b: TracePlan) -> TracePlan:
+    """What either plan made dynamic (this process's and what earlier processes saved)."""
+
+    def union(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (*x, *(i for i in y if i not in x))
+
+    return TracePlan(
+        dims=union(a.dims, b.dims),
+        nested=union(a.nested, b.nested),
+        state=union(a.state, b.state),
+        apart=a.apart | b.apart,
+        seen=a.seen | b.seen,
+        soft=a.soft or b.soft,
+    )
+
+
+def widened(
+    plan: TracePlan, names: dict[str, str], mismatches: list[tuple[call_check.Assumption, Any]]
+) -> TracePlan:
+    """``plan`` with what changed between the nearest entry's trace and this call made
+        dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
+        entry bounded from below that this call goes under is traced static when it is that small
+        (its own entry), and stays dynamic for every other size. ``names``: each argument
+    path's name (call_check.argument_names)."""
+    dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
+    apart = set(plan.apart)
+    for assumption, found in mismatches:
+        floor = _floor_parts(assumption.expr)
+        if assumption.floor and floor is not None:
+            path, dim = floor
+            apart.add((names[path], dim) if path in names else (path, dim))
+            continue
+        if assumption.state and validation.is_int(assumption.expected) and validation.is_int(found):
+            if _compat.supports_dynamic_state() and assumption.expr not in state:
+                state.append(assumption.expr)
+            continue
+        for path, dim in changed_dims(assumption, found):
+            if path in names:
+                if (names[path], dim) not in dims:
+                    dims.append((names[path], dim))
+            elif (path, dim) not in nested:
+                nested.append((path, dim))
+    return dataclasses.replace(
+        plan, dims=tuple(dims), nested=tuple(nested), state=tuple(state), apart=frozenset(apart)
+    )
+
+
+def newcomer_dims(plan: TracePlan, values: dict[str, Any], traced: bool) -> list[tuple[str, int]]:
+    """Dims of a tensor argument no earlier trace had (a mask a later call passes) whose size
+    is that of a dim found changing: marked "maybe dynamic" at once. Dynamo would trace the
+    newcomer static and make it dynamic a trace later; a static mask fixed the prompt's
+    length through the model's equality of the two, so each length was a trace of its own."""
+    if not traced or not plan.dims:
+        return []
+    sizes = {
+        values[n].shape[d]
+        for n, d in plan.dims
+        if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and values[n].shape[d] >= 2
+    }
+    out: list[tuple[str, int]] = []
+    for name, value in values.items():
+        if name in plan.seen or not isinstance(value, torch.Tensor):
+            continue
+        out.extend((name, d) for d, size in enumerate(value.shape) if size in sizes)
+    return out
+
+
+def small_apart(plan: TracePlan, name: str, dim: int, value: Any) -> bool:
+    """Whether this call's size of ``name``'s ``dim`` is one the code treats apart (0 or 1,
+    where an earlier trace's floor broke): traced static, for this trace only."""
+    return (
+        (name, dim) in plan.apart
+        and isinstance(value, torch.Tensor)
+        and dim < value.dim()
+        and value.shape[dim] < 2
+    )
+
+
+def nested_tensors(
+    plan: TracePlan, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[torch.Tensor, int]]:
+    """The tensors inside arguments whose dims the plan makes dynamic, with each dim."""
+    for path, dim in plan.nested:
+        try:
+            value = call_check.read_path(path, args, kwargs)
+        except Exception:
+            continue
+        if isinstance(value, torch.Tensor) and dim < value.dim() and not small_apart(plan, path, dim, value):
+            yield value, dim
+
+
+# The size hint a dynamic size of 0 or 1 is traced with (see traces.Traces._trace_with).
+GENERAL_HINT = 8
+
+
+def small_dims(values: dict[str, Any], choice: DynamicChoice) -> list[tuple[torch.Tensor, int]]:
+    """The dims marked dynamic whose size in this call is 0 or 1 (traced with a general hint)."""
+    out = []
+    for name, dim in choice.dims:
+        value = values.get(name)
+        if isinstance(value, torch.Tensor) and dim < value.dim() and value.shape[dim] < 2:
+            out.append((value, dim))
+    return out
+
+
+def hinted(values: dict[str, Any], choice: DynamicChoice) -> bool:
+    return bool(small_dims(values, choice))
+
+
+# ``2 <= args[0].size()[1]`` (Dynamo's floor) and ``args[0].shape[1] >= 2`` (ours, size_floors).
+_FLOOR = re.compile(
+    r"^(?:\d+ <= (?P<path>.+?)\.size\(\)\[(?P<dim>\d+)\]|(?P<p2>.+?)\.shape\[(?P<d2>\d+)\] >= \d+)$"
+)
+_SHAPE = re.compile(r"^(?P<path>(?:args|kwargs)\[.+?)\.shape(?:\[(?P<dim>\d+)\])?$")
+
+
+def _floor_parts(expr: str) -> tuple[str, int] | None:
+    match = _FLOOR.match(expr)
+    if match is None:
+        return None
+    if match.group("path") is not None:
+        return match.group("path"), int(match.group("dim"))
+    return match.group("p2"), int(match.group("d2"))
+
+
+def changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[str, int]]:
+    """The (path, dim) of each static size of an argument's tensor this call changed."""
+    match = _SHAPE.match(assumption.expr)
+    if match is None:
+        return []
+    path = match.group("path")
+    if match.group("dim") is not None:
+        return [(path, int(match.group("dim")))] if validation.is_int(found) else []
+    expected = assumption.expected
+    if not isinstance(found, torch.Size) or len(found) != len(expected):
+        return []  # another rank: a trace of its own, nothing made dynamic
+    return [(path, d) for d, (f, e) in enumerate(zip(found, expected, strict=True)) if f != e]
+
+
+def size_floors(
+    symbols: dict[str, tuple[str | None, ...]], not_at_one: frozenset[str], label: Callable[[str], str]
+) -> tuple[call_check.Assumption, ...]:
+    """A size-oblivious trace serves a dynamic size down to 1 (size 0 gets its own trace), and
+    down to 2 where an op of the graph treats 1 apart (``wrapper.size_one_symbols``)."""
+    out = []
+    seen: set[str] = set()
+    for name, dims in symbols.items():
+        if dynamo_guards.root_of(name) != "input":
+            continue
+        for d, symbol in enumerate(dims):
+            if symbol is None or symbol in seen or not re.fullmatch(r"s\d+", symbol):
+                continue
+            seen.add(symbol)
+            low = 2 if symbol in not_at_one else 1
+            why = "an op of the graph treats size 1 apart" if low == 2 else "size 0 is traced apart"
+            out.append(
+                call_check.Assumption(
+                    f"{name}.shape[{d}] >= {low}",
+                    True,
+                    f"sizes: {label(name)} dim {d} >= {low} ({why})",
+                    floor=True,
+                )
+            )
+    return tuple(out)
