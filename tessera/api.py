@@ -49,7 +49,8 @@ from tessera.report import (
     sizes_served,
     timeline,
 )
-from tessera.traces import Model, TraceContext, TraceEntry, Traces
+from tessera.trace_entry import Model, TraceContext, TraceEntry
+from tessera.traces import Traces
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ SHAPE_LIMIT = 32
 
 
 class Checked(Protocol):
-    """What a route leads to: an entry with its generated check (traces.TraceEntry)."""
+    """What a route leads to: an entry with its generated check (trace_entry.TraceEntry)."""
 
     @property
     def accepts(self) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]: ...

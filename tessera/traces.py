@@ -21,28 +21,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
 import threading
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, call_shapes, counters, dynamo_guards, warm
+from tessera import _compat, call_check, call_shapes, counters, warm
 from tessera.backend import PiecewiseBackend
 from tessera.build import GraphReceiver
-from tessera.cache.remote import RemoteTier
 from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
 from tessera.report import TraceReport
+from tessera.trace_check import TracedAtOne, recorder
+from tessera.trace_entry import Model, TraceContext, TraceEntry
 from tessera.trace_plan import (
     GENERAL_HINT,
     TracePlan,
@@ -53,7 +51,6 @@ from tessera.trace_plan import (
     newcomer_dims,
     plan_from_json,
     plan_to_json,
-    size_floors,
     small_apart,
     small_dims,
     widened,
@@ -61,7 +58,6 @@ from tessera.trace_plan import (
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
-    TraceAgain,
     bind_arguments,
     choose_dynamic_dims,
     eager_errors_first,
@@ -70,50 +66,6 @@ from tessera.wrapper import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TraceContext:
-    """What every trace of this model needs, found at the first call: compiler, cache root and
-    prefix, the model's fingerprint (None: no whole-model artifact) and the remote tier."""
-
-    compiler: Any
-    root: Path | None
-    prefix: str
-    fingerprint: str | None
-    remote: RemoteTier | None
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One trace of the model: what it assumed of a call and what runs a call that holds it."""
-
-    number: int
-    reason: str  # why it was made: "the first call", or the assumption the nearest entry broke
-    spec: call_check.CallSpec
-    fast: Callable[..., Any]  # the compiled forward, unchecked
-    accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool]  # the check alone
-    bound: dict[str, Any]  # what the check reads besides the arguments
-    tensors: Callable[..., tuple[Any, ...]]  # the tensors the trace read (for the grad policy)
-    backend: PiecewiseBackend
-    loaded: bool  # from the whole-model artifact (no trace in this process)
-    code: types.CodeType | None = None  # Dynamo's transformed code (None when loaded)
-    mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to
-    started: float = 0.0  # when its trace started (wall-clock seconds; 0.0 when loaded)
-    seconds: float = 0.0  # what the trace took, its compiles left out
-
-
-@dataclass(frozen=True)
-class Model:
-    """What every trace of one model is made from, fixed at ``tessera.compile``."""
-
-    name: str
-    func: types.FunctionType
-    bound_to: object | None
-    target: Callable[..., Any]  # what the traced frame calls: the forward
-    traced_fn: types.FunctionType  # the frame tessera traces (wrapper.entry_frame)
-    signature: inspect.Signature
-    owner: Any  # the module whose parameters name a tensor needing grad (or None)
 
 
 class Traces:
@@ -256,7 +208,7 @@ class Traces:
         )
         try:
             return self._trace_with(args, kwargs, values, choice, reason, oblivious)
-        except _TracedAtOne as e:
+        except TracedAtOne as e:
             # This call has a size an op of the graph treats apart (``x.squeeze()`` at 1): traced
             # as Dynamo does by default, which makes sizes 0 and 1 static.
             log.info("%s: %s; traced for that size", self.model.name, e)
@@ -335,7 +287,7 @@ class Traces:
                 args,
                 kwargs,
                 model.func.__qualname__,
-                self._recorder(args, kwargs, choice, oblivious, small > 0),
+                recorder(self.model, args, kwargs, choice, oblivious, small > 0, self._dropped),
                 self.plan.state,
                 size_oblivious=oblivious,
             )
@@ -486,75 +438,8 @@ class Traces:
             )
         return changed
 
-    # -- the call check of a trace ----------------------------------------------------------------
-    def _recorder(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        choice: DynamicChoice,
-        oblivious: bool,
-        hinted: bool = False,
-    ) -> Callable[..., call_check.CallSpec]:
-        """What reads Dynamo's guards into the call spec: called during the trace, after the graph
-        is compiled and before the first call runs (so a model that appends to a list argument
-        is checked against the list as passed)."""
-        names = call_check.argument_names(self.model.signature, args, kwargs)
-        dynamic: dict[str, set[int]] = {}
-        for name, dim in choice.dims:
-            dynamic.setdefault(name, set()).add(dim)
-        state = _compat.call_state()
-        model = self.model
-
-        def read(
-            facts: list[_compat.GuardFact],
-            symbols: dict[str, tuple[str | None, ...]],
-            writes: bool,
-            not_at_one: frozenset[str],
-        ) -> call_check.CallSpec:
-            symbolic = {name: tuple(s is not None for s in dims) for name, dims in symbols.items()}
-            translation = dynamo_guards.translate(
-                facts, symbolic, lambda n: dynamo_guards.readable(n, names), symbols
-            )
-            floors = (
-                size_floors(symbols, not_at_one, lambda n: dynamo_guards.readable(n, names))
-                if oblivious
-                else ()
-            )
-            spec = call_check.record(
-                args,
-                kwargs,
-                lambda path: names.get(path, path),
-                # Marked dims, and every dim the trace made symbolic (a tensor nested in a dict
-                # argument, a mask per attention type): Dynamo's guards bound those, not a size.
-                lambda path: (
-                    frozenset(dynamic.get(names.get(path, ""), ()))
-                    | frozenset(d for d, s in enumerate(symbols.get(path, ())) if s is not None)
-                ),
-                (*translation.assumptions, *floors),
-                translation.parents,
-                state,
-                writes,
-            )
-            bound = spec.bind(model.target, _compat.guard_globals(model.traced_fn.__globals__))
-            broken_now = {a.expr for a, _ in spec.mismatches(args, kwargs, bound)}
-            at_one = [a.label for a in floors if a.expr in broken_now]
-            if at_one:
-                raise _TracedAtOne(f"the graph treats a size of this call apart ({at_one[0]})")
-            if hinted and broken_now:
-                raise _TracedAtOne(
-                    f"a trace with a general size hint does not hold for this call ({sorted(broken_now)[0]})"
-                )
-            # An assumption the very call it came from breaks is a translation tessera cannot
-            # check: say so (it would refuse every call), and keep the rest.
-            broken = broken_now
-            if broken:
-                log.warning("%s: guards tessera cannot re-check, not checked: %s", model.name, sorted(broken))
-                kept = tuple(a for a in spec.assumptions if a.expr not in broken)
-                spec = dataclasses.replace(spec, assumptions=kept)
-            self.dropped_guards = translation.dropped
-            return spec
-
-        return read
+    def _dropped(self, dropped: tuple[tuple[str, int], ...]) -> None:
+        self.dropped_guards = dropped
 
     # -- routing --------------------------------------------------------------------------------
     def slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -729,10 +614,6 @@ def _first_line(error: BaseException) -> str:
     """An exception's first line (torch's carry a page of context), for a log line."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-class _TracedAtOne(TraceAgain):
-    """A size-oblivious trace made at a size one of its ops treats apart (size 1 for a squeeze)."""
 
 
 def _layout_of_written_input(entry: TraceEntry, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
