@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,6 +21,7 @@ import torch
 
 from tessera import _compat
 from tessera.errors import TesseraError
+from tessera.layout import layout_of
 
 _SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device)
 _MAX_DEPTH = 3
@@ -38,40 +38,6 @@ class StateMismatchError(InputMismatchError):
 
 class GradientsNotSupportedError(TesseraError):
     """A call whose result would need gradients: tessera compiles inference graphs only."""
-
-
-def layout_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
-    """A tensor's layout class: its dims from outermost to innermost stride, and whether it is
-    dense (no gaps, no overlap). Two tensors of one class and one shape have equal strides."""
-    strides = tensor.stride()
-    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
-    return order, is_dense(tensor)
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Whether a tensor's elements fill its storage span without gaps or overlap (a permutation
-    of a contiguous tensor). Dims of size 1 have no meaningful stride."""
-    if tensor.numel() == 0:
-        return True
-    expected = 1
-    for stride, size in sorted(
-        (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1
-    ):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def to_layout(tensor: torch.Tensor, expected: Any) -> torch.Tensor:
-    """A copy of ``tensor`` in the layout an assumption expected (contiguous, strides or class)."""
-    if expected is True:
-        return tensor.contiguous()
-    if isinstance(expected, tuple) and len(expected) == 2 and isinstance(expected[1], bool):
-        order = list(expected[0])
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        return tensor.permute(order).contiguous().permute(inverse)
-    return torch.empty_strided(tensor.shape, expected, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 @dataclass(frozen=True)
@@ -124,7 +90,7 @@ class CallSpec:
                 found = eval(_key_safe(assumption.expr), {"__builtins__": __builtins__}, names)  # our grammar
             except Exception as e:  # a missing attribute, an index out of range, a tensor for a dict
                 found = _Missing(f"{type(e).__name__}: {e}")
-            if not _same(found, assumption.expected):
+            if not same_value(found, assumption.expected):
                 out.append((assumption, found))
                 if assumption.expr.startswith("type(") and assumption.expr.endswith(")"):
                     wrong_type.append(assumption.expr[5:-1])
@@ -146,7 +112,7 @@ class _Missing:
         return f"<not readable: {self.why}>"
 
 
-def _same(found: Any, expected: Any) -> bool:
+def same_value(found: Any, expected: Any) -> bool:
     if found is expected:
         return True
     try:
@@ -248,13 +214,6 @@ def local_expression(code: str) -> str | None:
 
     unrooted = ast.unparse(_Unroot().visit(tree))
     return None if re.search(r"\bL\b", unrooted) else unrooted
-
-
-def _label(expr: str, names: Callable[[str], str]) -> str:
-    root = re.match(r"^(args\[\d+\]|kwargs\['[^']*'\])", expr)
-    if root is None:
-        return expr
-    return names(root.group(1)) + expr[root.end() :]
 
 
 def _describe(
@@ -470,120 +429,6 @@ def explain_state(expected: Sequence[Any], found: Sequence[Any]) -> str:
     return "; ".join(parts) or "global state differs"
 
 
-def normalise(
-    signature: inspect.Signature, spec: CallSpec, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call rewritten in the traced call's structure (positional vs keyword), or
-    InputMismatchError naming an argument the trace did not see (or saw and this call lacks)."""
-    return rewrite(signature, spec, len(args), tuple(kwargs)).apply(args, kwargs)
-
-
-# Where a traced argument comes from in a call: ("args", i), ("kwargs", key), or ("default", value).
-Source = tuple[str, Any]
-
-
-@dataclass(frozen=True)
-class Rewrite:
-    """How every call of one shape (its positional count and keyword names) is rewritten in a
-    trace's structure: where each traced argument comes from, and the arguments the trace saw
-    left to their default (a call that passes one is rewritten only while it passes the default).
-    Made once per shape by ``rewrite``; ``apply`` reads no signature."""
-
-    positional: tuple[Source, ...]
-    keywords: tuple[tuple[str, Source], ...]
-    dropped: tuple[tuple[str, Source, Any], ...] = ()  # (name, where passed, the default it must be)
-
-    def apply(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """``(args, kwargs)`` in the trace's structure; InputMismatchError where a dropped
-        argument is passed with another value than its default."""
-        for key, source, default in self.dropped:
-            value = _read(source, args, kwargs)
-            if default is _NO_DEFAULT or not _same(value, default):
-                raise InputMismatchError(
-                    f"argument {key!r}: the trace was made without it, this call passes {_short(value)}"
-                )
-        return (
-            tuple(_read(s, args, kwargs) for s in self.positional),
-            {key: _read(s, args, kwargs) for key, s in self.keywords},
-        )
-
-
-_NO_DEFAULT = object()  # a dropped argument the signature gives no default: no call may pass it
-
-
-def _read(source: Source, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    kind, key = source
-    if kind == "args":
-        return args[key]
-    if kind == "kwargs":
-        return kwargs[key]
-    return key
-
-
-class _Slot:
-    """What stands for an argument while a call's shape is bound to the signature."""
-
-    def __init__(self, source: Source) -> None:
-        self.source = source
-
-
-def rewrite(
-    signature: inspect.Signature, spec: CallSpec, num_args: int, keywords: tuple[str, ...]
-) -> Rewrite:
-    """The rewrite of a call with ``num_args`` positional arguments and ``keywords`` into the
-    traced call's structure (positional vs keyword, defaults filled in or dropped), or
-    InputMismatchError naming an argument the trace did not see (or saw and this call lacks).
-    Depends on the shape alone, so it can be worked out once per shape."""
-    params = list(signature.parameters.values())
-    slots = tuple(_Slot(("args", i)) for i in range(num_args))
-    try:
-        bound = signature.bind(*slots, **{key: _Slot(("kwargs", key)) for key in keywords})
-    except TypeError as e:
-        raise InputMismatchError(f"the call does not match the model's signature {signature}: {e}") from e
-    values = dict(bound.arguments)
-    var_positional = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
-    var_keyword = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-    extra_keywords = dict(values.pop(var_keyword, {})) if var_keyword else {}
-    positional: list[Source] = []
-    for param in params:
-        if len(positional) >= spec.num_args:
-            break
-        if param.kind is param.VAR_POSITIONAL:
-            positional.extend(slot.source for slot in values.pop(param.name, ()))
-        elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
-            if param.name in values:
-                positional.append(values.pop(param.name).source)
-            elif param.default is not param.empty:
-                positional.append(("default", param.default))
-    if var_positional is not None:
-        extra = values.pop(var_positional, ())
-        if num_args != spec.num_args and len(extra):
-            raise InputMismatchError(
-                f"*{var_positional}: the trace saw {spec.num_args} positional argument(s), "
-                f"this call {num_args}"
-            )
-    named: list[tuple[str, Source]] = []
-    for key in spec.keywords:
-        if key in values:
-            named.append((key, values.pop(key).source))
-        elif key in extra_keywords:
-            named.append((key, extra_keywords.pop(key).source))
-        elif key in signature.parameters and signature.parameters[key].default is not inspect.Parameter.empty:
-            named.append((key, ("default", signature.parameters[key].default)))
-        else:
-            raise InputMismatchError(f"argument {key!r}: the trace saw it passed, this call does not pass it")
-    dropped = []
-    for key, slot in {**values, **extra_keywords}.items():
-        declared = signature.parameters.get(key)
-        default = _NO_DEFAULT if declared is None or declared.default is declared.empty else declared.default
-        dropped.append((key, slot.source, default))
-    if len(positional) != spec.num_args:
-        raise InputMismatchError(
-            f"the trace saw {spec.num_args} positional argument(s), this call passes {len(positional)}"
-        )
-    return Rewrite(tuple(positional), tuple(named), tuple(dropped))
-
-
 _LAYOUT_PATH = re.compile(
     r"^(?:_layout\()?(args)\[(\d+)\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
     r"|^(?:_layout\()?(kwargs)\['([^'\\]*)'\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
@@ -603,15 +448,15 @@ def layout_path(assumption: Assumption) -> tuple[str, str] | None:
 
 
 def describe_tensor(tensor: torch.Tensor) -> str:
-    return _short(tensor)
+    return short_repr(tensor)
 
 
 def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
     """The first broken assumption in words (and how many more there are)."""
     assumption, found = mismatches[0]
     more = f" ({len(mismatches) - 1} more difference(s))" if len(mismatches) > 1 else ""
-    expected = _short(assumption.expected)
-    return f"{assumption.label}: the trace assumed {expected}, this call has {_short(found)}{more}"
+    expected = short_repr(assumption.expected)
+    return f"{assumption.label}: the trace assumed {expected}, this call has {short_repr(found)}{more}"
 
 
 def advice(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
@@ -631,31 +476,10 @@ def advice(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
     return "convert the input to what an earlier call passed"
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
     if isinstance(value, type):
         return value.__qualname__
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def argument_names(
-    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, str]:
-    """``args[i]`` / ``kwargs['k']`` -> the parameter name a user knows it by."""
-    names: dict[str, str] = {f"kwargs[{key!r}]": key for key in kwargs}
-    positional = [
-        p
-        for p in signature.parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-    ]
-    for i in range(len(args)):
-        param = positional[min(i, len(positional) - 1)] if positional else None
-        if param is None:
-            names[f"args[{i}]"] = f"argument {i}"
-        elif param.kind is param.VAR_POSITIONAL:
-            names[f"args[{i}]"] = f"{param.name}[{i - positional.index(param)}]"
-        else:
-            names[f"args[{i}]"] = param.name
-    return names

@@ -1,7 +1,7 @@
 """The calls that differ from a trace only in syntax, routed by their shape.
 
 A call's shape is its positional count and keyword names, in order: cheap to read, and all that
-decides how it is rewritten in a trace's structure (``call_check.rewrite``: a flag passed by
+decides how it is rewritten in a trace's structure (``call_args.rewrite``: a flag passed by
 keyword to a trace made with it positional, an argument left to its default that the trace saw
 passed). The rewrite is worked out once per shape and entry, when the slow path first serves such
 a call; later calls of that shape are rewritten and given the entry's own generated check
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from tessera import call_check
+from tessera import call_args, call_check
 
 Shape = tuple[int, tuple[str, ...]]
 
@@ -41,7 +41,7 @@ class ShapeRoute(Generic[E]):
     """An entry that served a call of one shape, and the rewrite of that shape into its structure."""
 
     entry: E
-    rewrite: call_check.Rewrite
+    rewrite: call_args.Rewrite
 
 
 class ShapeRoutes(Generic[E]):
@@ -67,7 +67,7 @@ class ShapeRoutes(Generic[E]):
                 return route.entry, n_args, n_kwargs
         return None
 
-    def remember(self, shape: Shape, entry: E, rewrite: call_check.Rewrite) -> None:
+    def remember(self, shape: Shape, entry: E, rewrite: call_args.Rewrite) -> None:
         """Route calls of ``shape`` to ``entry`` through ``rewrite`` from now on."""
         known = self._routes.get(shape, ())
         if any(route.entry is entry for route in known):

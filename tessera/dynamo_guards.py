@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from tessera._compat import GuardFact, local_source_name
-from tessera.call_check import Assumption, layout_of, local_expression
+from tessera.call_check import Assumption, local_expression
 from tessera.errors import UnsupportedModelError
+from tessera.layout import layout_of
 
 log = logging.getLogger(__name__)
 

@@ -213,3 +213,38 @@ def _viewed_node(node: torch.fx.Node) -> torch.fx.Node | None:
             return None
         node, value = first, first.meta.get("example_value")
     return node if isinstance(value, torch.Tensor) else None
+
+
+# -- a tensor's layout class, as the call check compares it ----------------------------------
+def layout_of(tensor: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """A tensor's layout class: its dims from outermost to innermost stride, and whether it is
+    dense (no gaps, no overlap). Two tensors of one class and one shape have equal strides."""
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    return order, is_dense(tensor)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's elements fill its storage span without gaps or overlap (a permutation
+    of a contiguous tensor). Dims of size 1 have no meaningful stride."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def to_layout(tensor: torch.Tensor, expected: Any) -> torch.Tensor:
+    """A copy of ``tensor`` in the layout an assumption expected (contiguous, strides or class)."""
+    if expected is True:
+        return tensor.contiguous()
+    if isinstance(expected, tuple) and len(expected) == 2 and isinstance(expected[1], bool):
+        order = list(expected[0])
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return tensor.permute(order).contiguous().permute(inverse)
+    return torch.empty_strided(tensor.shape, expected, dtype=tensor.dtype, device=tensor.device).copy_(tensor)

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from tessera import _compat, call_check, dynamo_guards
+from tessera import _compat, call_args, call_check, dynamo_guards
 from tessera.trace_entry import Model
 from tessera.trace_plan import size_floors
 from tessera.wrapper import DynamicChoice, TraceAgain
@@ -32,7 +32,7 @@ def recorder(
     """What reads Dynamo's guards into the call spec: called during the trace, after the graph
     is compiled and before the first call runs (so a model that appends to a list argument
     is checked against the list as passed). ``dropped``: told the guards the translation left out."""
-    names = call_check.argument_names(model.signature, args, kwargs)
+    names = call_args.argument_names(model.signature, args, kwargs)
     dynamic: dict[str, set[int]] = {}
     for name, dim in choice.dims:
         dynamic.setdefault(name, set()).add(dim)

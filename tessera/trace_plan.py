@@ -86,7 +86,7 @@ def widened(
         dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
         entry bounded from below that this call goes under is traced static when it is that small
         (its own entry), and stays dynamic for every other size. ``names``: each argument
-    path's name (call_check.argument_names)."""
+    path's name (call_args.argument_names)."""
     dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
     apart = set(plan.apart)
     for assumption, found in mismatches:

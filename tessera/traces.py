@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, call_shapes, counters, warm
+from tessera import _compat, call_args, call_check, call_shapes, counters, warm
 from tessera.backend import PiecewiseBackend
 from tessera.build import GraphReceiver
 from tessera.compile_state import COMPILE_LOCK
@@ -38,6 +38,7 @@ from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.layout import to_layout
 from tessera.report import TraceReport
 from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry
@@ -152,7 +153,7 @@ class Traces:
         that fails on the call's values where eager fails too raises eager's error (the caller's)."""
         with self._lock, self._eager_errors_first(args, kwargs):
             changed = self._changed_since_every_entry(args, kwargs)
-            names = call_check.argument_names(self.model.signature, args, kwargs)
+            names = call_args.argument_names(self.model.signature, args, kwargs)
             self.plan = widened(self.plan, names, [*mismatches, *changed])
             try:
                 output = self._trace(args, kwargs, reason)
@@ -428,7 +429,7 @@ class Traces:
         changed: list[tuple[call_check.Assumption, Any]] = []
         for entry in self.entries:
             try:
-                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+                n_args, n_kwargs = call_args.normalise(self.model.signature, entry.spec, args, kwargs)
             except call_check.InputMismatchError:
                 continue  # another structure: nothing to compare
             changed.extend(
@@ -508,7 +509,7 @@ class Traces:
             if entry.spec.global_state and entry.spec.global_state != state:
                 continue  # traced under another autocast, default dtype or function mode
             try:
-                rewrite = call_check.rewrite(self.model.signature, entry.spec, len(args), tuple(kwargs))
+                rewrite = call_args.rewrite(self.model.signature, entry.spec, len(args), tuple(kwargs))
                 n_args, n_kwargs = rewrite.apply(args, kwargs)
             except call_check.InputMismatchError:
                 continue
@@ -548,7 +549,7 @@ class Traces:
         for entry in self._ordered() if among is None else among:
             candidate: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]
             try:
-                n_args, n_kwargs = call_check.normalise(self.model.signature, entry.spec, args, kwargs)
+                n_args, n_kwargs = call_args.normalise(self.model.signature, entry.spec, args, kwargs)
             except call_check.InputMismatchError as e:
                 candidate = (10_000, entry, str(e), [])
             else:
@@ -640,9 +641,9 @@ def _fix_layouts(
             continue
         kind, key = path
         if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
-            positional[int(key)] = call_check.to_layout(positional[int(key)], assumption.expected)
+            positional[int(key)] = to_layout(positional[int(key)], assumption.expected)
         elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
-            keywords[key] = call_check.to_layout(keywords[key], assumption.expected)
+            keywords[key] = to_layout(keywords[key], assumption.expected)
     return tuple(positional), keywords
 
 

@@ -512,7 +512,7 @@ def test_a_model_output_argument_of_another_length_is_refused_clearly():
 
 
 def test_layout_density_without_private_apis():
-    from tessera.call_check import is_dense
+    from tessera.layout import is_dense
 
     x = torch.randn(4, 3, 2)
     assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1]) and is_dense(x[:0])
@@ -543,17 +543,17 @@ def mix(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0, beta: float = 0.0)
 
 
 def counting_rewrites(monkeypatch) -> list[tuple[int, tuple[str, ...]]]:
-    """Each call shape ``call_check.rewrite`` works out, in order (the routing reads it by name)."""
-    from tessera import call_check
+    """Each call shape ``call_args.rewrite`` works out, in order (the routing reads it by name)."""
+    from tessera import call_args
 
     made: list[tuple[int, tuple[str, ...]]] = []
-    real = call_check.rewrite
+    real = call_args.rewrite
 
     def counted(signature, spec, num_args, keywords):
         made.append((num_args, keywords))
         return real(signature, spec, num_args, keywords)
 
-    monkeypatch.setattr(call_check, "rewrite", counted)
+    monkeypatch.setattr(call_args, "rewrite", counted)
     return made
 
 
@@ -642,12 +642,12 @@ def test_an_argument_the_trace_saw_left_to_its_default_is_checked_when_passed():
 def test_call_shapes_are_bounded_and_read_from_many_threads():
     from concurrent.futures import ThreadPoolExecutor
 
-    from tessera import call_check, call_shapes
+    from tessera import call_args, call_shapes
 
     routes: call_shapes.ShapeRoutes[Any] = call_shapes.ShapeRoutes(limit=4)
     entry = types.SimpleNamespace(accepts=lambda args, kwargs: True)
     for n in range(1, 10):
-        routes.remember((n, ()), entry, call_check.Rewrite((("args", 0),), ()))
+        routes.remember((n, ()), entry, call_args.Rewrite((("args", 0),), ()))
     assert len(routes) == 4  # the newest four shapes
     assert routes.find((1,), {}) is None and routes.find((7,) * 9, {}) == (entry, (7,), {})
     model = Flag().eval()
