@@ -28,7 +28,7 @@ import torch
 
 from tessera import _compat, call_check, counters, hooks, validation
 from tessera.backend import PiecewiseBackend
-from tessera.cache import artifact as model_artifact
+from tessera.cache import pointer
 from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.key import fingerprint_record
 from tessera.cache.remote import fetch_pointer, remote_tier
@@ -427,7 +427,7 @@ class CompiledModel:
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         try:
             traces.load_saved()
-        except model_artifact.OtherPath as e:  # recorded by an earlier process: graph breaks
+        except pointer.OtherPath as e:  # recorded by an earlier process: graph breaks
             traces.warm_refused = str(e)
             log.info("%s: %s (recorded by an earlier process)", self.name, e)
             return self._start_guarded(args, kwargs, values, e.reason)
@@ -516,7 +516,7 @@ class CompiledModel:
         if context is None or context.root is None or context.fingerprint is None:
             return
         try:
-            model_artifact.write_path(context.root, context.fingerprint, "guarded", reason)
+            pointer.write_path(context.root, context.fingerprint, "guarded", reason)
         except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
             log.debug("%s: path not recorded (%s)", self.name, e)
 

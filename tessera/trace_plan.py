@@ -34,7 +34,7 @@ class TracePlan:
 
 
 def plan_to_json(plan: TracePlan) -> dict[str, list[Any]]:
-    """A plan as JSON lists (saved beside the fingerprint's traces, cache/artifact.write_plan)."""
+    """A plan as JSON lists (saved beside the fingerprint's traces, cache/pointer.write_plan)."""
     return {
         "dims": [list(d) for d in plan.dims],
         "nested": [list(d) for d in plan.nested],

@@ -24,8 +24,10 @@ import torch
 from tessera import counters
 from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact
-from tessera.cache.artifact import ModelArtifact, WarmStartUnavailable
+from tessera.cache import pointer
+from tessera.cache.artifact import ModelArtifact
 from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
+from tessera.cache.pointer import WarmStartUnavailable
 from tessera.cache.remote import RemoteTier, publish
 from tessera.call_check import CallSpec
 from tessera.compilers import Compiler, loads_without_graph, make_compiler
@@ -59,13 +61,13 @@ def load(
     was refused (None: all did, or there were none). Raises OtherPath for a model recorded to run
     on the guarded path, and CompilerError for a compiler whose loader fails on a sound file."""
     try:
-        listed = model_artifact.read_entries(root, fingerprint)
-    except model_artifact.OtherPath:
+        listed = pointer.read_entries(root, fingerprint)
+    except pointer.OtherPath:
         raise
     except WarmStartUnavailable as e:
         counters.bump("warm_start_fallbacks")
         return [], str(e)
-    learnt = model_artifact.read_learnt(root, fingerprint)
+    learnt = pointer.read_learnt(root, fingerprint)
     saved: list[SavedTrace] = []
     refused = None if listed else "no whole-model artifact for this model yet"
     # Traces of one graph share an entry (and its pieces): each entry is rebuilt once.
@@ -122,7 +124,7 @@ def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend:
     if entry is None:
         return
     try:
-        model_artifact.write_learnt(root, fingerprint, entry.path, backend.learning.learnt_sizes)
+        pointer.write_learnt(root, fingerprint, entry.path, backend.learning.learnt_sizes)
     except OSError as e:  # the sizes serve here; the next process learns them again
         warn_write_failed(entry.path, e)
         return
@@ -133,13 +135,13 @@ def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend:
 def save_plan(root: Path, fingerprint: str, plan: dict[str, list[Any]]) -> None:
     """What the model's traces found changing, for the next process (its new traces start wide)."""
     try:
-        model_artifact.write_plan(root, fingerprint, plan)
+        pointer.write_plan(root, fingerprint, plan)
     except OSError as e:  # the next process finds the dims again, a trace each
         log.debug("%s: trace plan not saved (%s)", fingerprint[:12], e)
 
 
 def load_plan(root: Path, fingerprint: str) -> dict[str, list[Any]]:
-    return model_artifact.read_plan(root, fingerprint)
+    return pointer.read_plan(root, fingerprint)
 
 
 # -- one entry's whole-model artifact: rebuilt into a backend, written from one ----------------
@@ -323,7 +325,7 @@ def save_artifact(
         return False
     try:
         key = saved.variants[-1].key
-        model_artifact.write_pointer(backend.cache_root, fingerprint, entry.path, reason, key)
+        pointer.write_pointer(backend.cache_root, fingerprint, entry.path, reason, key)
     except OSError as e:  # the model runs; the next process traces again
         backend.artifact_status = f"not written: {e.strerror}"
         warn_write_failed(entry.path, e)

@@ -374,15 +374,15 @@ def test_making_an_entry_prune_is_removing_waits_then_starts_afresh(tmp_path, mo
 def test_prune_keeps_the_records_of_a_models_path(tmp_path):
     """A fingerprint's record that its model runs on the guarded or per-size path points to no
     entry: it is not a dangling pointer, and prune keeps it (the next process goes there at once)."""
-    from tessera.cache import artifact
+    from tessera.cache import pointer
 
     root = tmp_path / "cache"
-    artifact.write_path(root, "f" * 64, "guarded", "a graph break")
-    artifact.write_pointer(root, "e" * 64, root / "0123456789" / "rank_0_0" / "gone")
+    pointer.write_path(root, "f" * 64, "guarded", "a graph break")
+    pointer.write_pointer(root, "e" * 64, root / "0123456789" / "rank_0_0" / "gone")
     assert tools.prune(root, 0) == []
     assert [p.name for p in (root / "warm").glob("*.json")] == [f"{'f' * 32}.json"]
-    with pytest.raises(artifact.OtherPath, match="a graph break"):
-        artifact.read_pointer(root, "f" * 64)
+    with pytest.raises(pointer.OtherPath, match="a graph break"):
+        pointer.read_pointer(root, "f" * 64)
 
 
 def test_verify_says_nothing_of_an_entry_removed_while_it_ran(tmp_path, monkeypatch):

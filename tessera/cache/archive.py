@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from tessera.cache import liveness, trust
-from tessera.cache.artifact import WARM_DIR, WarmStartUnavailable, read_entries, write_pointer
 from tessera.cache.entry import atomic_write
 from tessera.cache.liveness import INUSE, WRITERS
+from tessera.cache.pointer import WARM_DIR, WarmStartUnavailable, read_entries, write_pointer
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheError
 

@@ -285,7 +285,7 @@ class RemoteTier:
     ) -> None:
         """The pointer from ``fingerprint`` to the entry, with its whole-model artifact, the sizes
         learnt from traffic for it (``learnt``) and the trace plan (which sizes its traces saw
-        change, ``artifact.write_plan``): a replica that fetches it traces as this one would."""
+        change, ``pointer.write_plan``): a replica that fetches it traces as this one would."""
         # The fingerprint is signed too: a pointer copied under another model's name is refused.
         if self.broken:
             return
@@ -456,9 +456,9 @@ def _file_checksums(index: Index) -> dict[str, str]:
 
 def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
     """Before a warm start: bring the fleet's entry for ``fingerprint`` into the local cache."""
-    from tessera.cache import artifact
+    from tessera.cache import pointer
 
-    if artifact.pointer_path(root, fingerprint).exists():
+    if pointer.pointer_path(root, fingerprint).exists():
         return
     body = remote.fetch_pointer(fingerprint)
     if body is None:
@@ -471,13 +471,13 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
         return
     if remote.fetch(entry, body["key"], body["prefix"], model=_model_record(body.get("model"))):
         try:
-            artifact.write_pointer(root, fingerprint, entry)
+            pointer.write_pointer(root, fingerprint, entry)
             learnt = body.get("learnt")
             if isinstance(learnt, list) and all(isinstance(s, int) and s >= 1 for s in learnt):
-                artifact.write_learnt(root, fingerprint, entry, learnt)
-            plan = artifact.read_plan_of(body)  # checked again where traces.py reads it
+                pointer.write_learnt(root, fingerprint, entry, learnt)
+            plan = pointer.read_plan_of(body)  # checked again where traces.py reads it
             if plan:
-                artifact.write_plan(root, fingerprint, plan)
+                pointer.write_plan(root, fingerprint, plan)
         except OSError as e:
             trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
 
@@ -497,14 +497,14 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
     artifact and the sizes learnt for it; and the entry itself, unless it is in the store already
     (its lease holder published it before letting go, or this process fetched it): one manifest
     per compile, not two. ``grown``: the entry holds new pieces (a size learnt): published again."""
-    from tessera.cache import artifact
+    from tessera.cache import pointer
 
     key, prefix = entry.key, entry.path.name
     if (grown or not remote.holds(key, prefix)) and not remote.publish(entry.path, key, prefix):
         return
     relative = entry.path.relative_to(root).as_posix()
-    learnt = artifact.read_learnt(root, fingerprint).get(entry.path, ())
-    plan = artifact.read_plan(root, fingerprint)
+    learnt = pointer.read_learnt(root, fingerprint).get(entry.path, ())
+    plan = pointer.read_plan(root, fingerprint)
     # Another replica published this fingerprint's pointer (the fleet traced it at once): one
     # read instead of a pointer and a whole-model artifact from every replica.
     if not grown and not learnt and not plan and remote.has_pointer(fingerprint, entry.path, relative):
