@@ -63,6 +63,7 @@ def child(family: str, cache: str, way: str, backend: str) -> dict[str, Any]:
 
     import tessera
     from tessera import hf
+
     # The test suite's tiny models (imported by name: tests/ is not type-checked as a package).
     build = importlib.import_module("tests.test_hf").build
     model, _ = build(family)
