@@ -35,7 +35,7 @@ def run(job: PieceJob) -> JobDone:
 
     from tessera import counters
     from tessera.cache import liveness
-    from tessera.compilers import InductorCompiler
+    from tessera.inductor_compiler import InductorCompiler
 
     for name in CACHE_ENV:
         if name in job.env:
