@@ -30,8 +30,8 @@ from tessera import _compat, call_check, counters, hooks, validation
 from tessera.backend import PiecewiseBackend
 from tessera.cache import pointer
 from tessera.cache.entry import cache_root, rank_dir
+from tessera.cache.fleet import fetch_pointer, remote_tier
 from tessera.cache.key import fingerprint_record
-from tessera.cache.remote import fetch_pointer, remote_tier
 from tessera.compile_state import between_compiles
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig

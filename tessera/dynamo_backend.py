@@ -103,7 +103,7 @@ class GraphCompiler:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from tessera.build import from_trace
         from tessera.cache.entry import cache_root
-        from tessera.cache.remote import remote_tier
+        from tessera.cache.fleet import remote_tier
         from tessera.compilers import make_compiler, stock_backend
 
         reason, source, graph_break = _compat.graph_compile_reason(gm)

@@ -27,8 +27,9 @@ from tessera.cache import artifact as model_artifact
 from tessera.cache import pointer
 from tessera.cache.artifact import ModelArtifact
 from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
+from tessera.cache.fleet import publish
 from tessera.cache.pointer import WarmStartUnavailable
-from tessera.cache.remote import RemoteTier, publish
+from tessera.cache.remote import RemoteTier
 from tessera.call_check import CallSpec
 from tessera.compilers import Compiler, loads_without_graph, make_compiler
 from tessera.config import CompileConfig, size_label
