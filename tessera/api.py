@@ -91,10 +91,8 @@ def compile(
     if config is not None and not isinstance(config, CompileConfig):
         raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
     config = (config or CompileConfig()).replace(**overrides)
-    if prefix is not None and (
-        not isinstance(prefix, str) or not prefix or "/" in prefix or "\\" in prefix or prefix.startswith(".")
-    ):
-        raise ConfigError(f"prefix={prefix!r} must be a plain directory name such as 'backbone'")
+    if prefix is not None:
+        validation.check_prefix(prefix)
     validation.check_dynamic_dims(dynamic_dims)
     if config.passes and config.backend == "eager":
         raise ConfigError(

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tessera import _compat
+from tessera import _compat, validation
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError, TesseraWarning
 from tessera.report import GraphReport
@@ -62,12 +62,9 @@ def backend_config(options: Mapping[str, Any] | None = None, mode: str | None = 
             "so the mode is 'piecewise' (split at attention) or 'trace_once' (one piece per graph)"
         )
     prefix = (options or {}).get("prefix", "dynamo")
-    if not isinstance(prefix, str) or not prefix or "/" in prefix or prefix.startswith("."):
-        raise ConfigError(f"options prefix={prefix!r} must be a plain directory name such as 'unet'")
+    validation.check_prefix(prefix, "options prefix", "unet")
     config = CompileConfig().replace(**fields)
     if config.backend == "inductor":
-        from tessera import validation
-
         validation.check_inductor_keys(config.inductor_config)
     return config
 

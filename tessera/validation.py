@@ -292,6 +292,12 @@ def env_seconds(name: str, default: float) -> float:
     return float(env_value(name, default, float, positive))
 
 
+def check_prefix(prefix: Any, field: str = "prefix", example: str = "backbone") -> None:
+    """A cache prefix names one directory under the cache root: a plain, non-hidden name."""
+    if not isinstance(prefix, str) or not prefix or "/" in prefix or "\\" in prefix or prefix.startswith("."):
+        raise ConfigError(f"{field}={prefix!r} must be a plain directory name such as {example!r}")
+
+
 def check_dynamic_dims(value: Any) -> None:
     """``{"arg": dim}`` or ``{"arg": (dim, ...)}``; names and dims are checked against the call later."""
     if value is None:

@@ -36,6 +36,7 @@ def test_options_are_compile_config_fields_checked_the_same_way():
         ({"mode": "stock"}, None, "'piecewise'"),
         ({"fullgraph": True}, None, "torch.compile"),
         ({"prefix": "a/b"}, None, "plain directory name"),
+        ({"prefix": "a\\b"}, None, "plain directory name"),  # one check with tessera.compile's
         (None, "fast", "mode='fast'"),
     ):
         with pytest.raises(tessera.ConfigError, match=match):
