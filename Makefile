@@ -47,7 +47,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not inductor and not slow"
 
-# The private-API surface (tessera/_compat.py) alone: quick, for every supported torch.
+# The private-API surface (tessera/_compat/) alone: quick, for every supported torch.
 test-compat: $(STAMP)
 	$(PY) -m pytest -q tests/test_compat.py
 

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from tessera import _compat
-from tessera.api import CompiledModel
-from tessera.api import compile as tessera_compile
+from tessera.api import CompiledModel, compile as tessera_compile
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 

@@ -23,8 +23,7 @@ import torch
 
 from tessera import counters
 from tessera.backend import PiecewiseBackend
-from tessera.cache import artifact as model_artifact
-from tessera.cache import pointer
+from tessera.cache import artifact as model_artifact, pointer
 from tessera.cache.artifact import ModelArtifact
 from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
 from tessera.cache.fleet import publish

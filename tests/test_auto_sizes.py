@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import backend as backend_module
-from tessera import learn
+from tessera import backend as backend_module, learn
 from tessera.cache.key import config_record
 from tessera.cli.picture import render_html
 from tessera.config import CompileConfig

@@ -1,4 +1,4 @@
-"""Every entry of tessera/_compat.py, exercised on the installed torch.
+"""Every entry of tessera/_compat/, exercised on the installed torch.
 
 A torch release that moves a private API tessera uses fails a test here, by name, instead of a
 user's trace or warm start. Run alone on any torch with ``make test-compat TORCH=2.15.0``.

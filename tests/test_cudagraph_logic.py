@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import backend as backend_module
-from tessera import cudagraph
+from tessera import backend as backend_module, cudagraph
 from tessera.cudagraph import CUDAGraphError, CUDAGraphPiece, padded_size
 from tessera.models import toy_llama
 from tessera.piece import DynamicInputs, SizeSource

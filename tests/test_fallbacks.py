@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import errors
-from tessera import warm as warm_module
+from tessera import errors, warm as warm_module
 from tessera.cache import index
 from tessera.cache.entry import INDEX, CacheDamagedWarning
 from tessera.models import toy_llama

@@ -25,8 +25,7 @@ from typing import Any
 import filelock
 import platformdirs
 
-from tessera.cache import index as index_
-from tessera.cache import liveness, trust
+from tessera.cache import index as index_, liveness, trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, entry_key
 from tessera.errors import CacheWarning

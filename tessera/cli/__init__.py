@@ -104,8 +104,7 @@ def bisect_command(script: str, atol: float, rtol: float) -> int:
 def cache_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tessera.cache import explain as cache_explain
-    from tessera.cache import tools as cachetools
+    from tessera.cache import explain as cache_explain, tools as cachetools
     from tessera.cache.entry import cache_root
 
     root = cache_root(args.root)

@@ -1,0 +1,141 @@
+"""torch.fx's tracing state, made per thread (an FX trace in one thread must not be seen by others).
+
+Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+_FX_TRACING_HERE = threading.local()  # per thread: how deep in torch.fx's Tracer.trace it is
+
+
+def _tracing_in_this_thread() -> bool:
+    return getattr(_FX_TRACING_HERE, "depth", 0) > 0
+
+
+@functools.cache
+def isolate_fx_tracing_flag() -> None:
+    """Make torch.fx's "an FX trace is running" flag answer for the calling thread only.
+
+    Reason: on torch 2.11-2.13 ``torch.fx._symbolic_trace._is_fx_tracing_flag`` is one process-wide
+    bool set by ``Tracer.trace``, which every compile runs (AOTAutograd's make_fx). While a
+    background compile traces, a call in another thread of any ``torch.compile``'d function reads
+    it and raises "Detected that you are using FX to symbolically trace a dynamo-optimized
+    function" (pytorch/pytorch#126024). torch 2.14 made the flag thread-local
+    (pytorch/pytorch#168999); there this does nothing. On older torch, ``Tracer.trace`` counts its
+    depth per thread, and the flag's two readers (``is_fx_tracing``, ``is_fx_symbolic_tracing``)
+    are given code that also asks that count. Their code objects are replaced, not the functions:
+    Dynamo keys tables on these function objects, and ``torch.compile`` wrappers made before
+    this ran hold them. Remove when 2.13 leaves the supported range.
+    """
+    module = sys.modules.get("torch.fx._symbolic_trace")
+    if module is None or not hasattr(module, "_is_fx_tracing_flag") or hasattr(module, "_is_fx_tracing_tls"):
+        return
+    tracer = module.Tracer
+    original = tracer.trace
+    if getattr(original, "_tessera_counts_depth", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_FX_TRACING_HERE, "depth", 0)
+        _FX_TRACING_HERE.depth = depth + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _FX_TRACING_HERE.depth = depth
+
+    trace._tessera_counts_depth = True  # type: ignore[attr-defined]
+    tracer.trace = trace
+    # The readers' new code runs in torch.fx._symbolic_trace's globals: the one name it adds there.
+    module.__dict__["_tessera_tracing_in_this_thread"] = _tracing_in_this_thread
+
+    def is_fx_tracing() -> bool:
+        is_fx_tracing_warning()  # type: ignore[name-defined]  # noqa: F821  (a name of that module)
+        return bool(
+            _is_fx_tracing_flag  # type: ignore[name-defined]  # noqa: F821
+            and _tessera_tracing_in_this_thread()  # type: ignore[name-defined]  # noqa: F821
+        )
+
+    def is_fx_symbolic_tracing() -> bool:
+        return bool(
+            _is_fx_tracing_flag  # type: ignore[name-defined]  # noqa: F821
+            and _tessera_tracing_in_this_thread()  # type: ignore[name-defined]  # noqa: F821
+            and not torch.compiler.is_compiling()
+        )
+
+    module.is_fx_tracing.__code__ = is_fx_tracing.__code__
+    module.is_fx_symbolic_tracing.__code__ = is_fx_symbolic_tracing.__code__
+
+
+@functools.cache
+def isolate_fx_patches() -> None:
+    """Make the methods torch.fx patches on classes while it traces act in the tracing thread only.
+
+    Reason: for the length of a trace, ``Tracer.trace`` replaces ``torch.nn.Module.__call__`` and
+    ``__getattr__`` on the class, process-wide, through ``_Patcher.patch_method`` (read on torch
+    2.13 only; ``_Patcher`` dates from pytorch/pytorch#50793, 2021: without it this does nothing).
+    Every compile traces: AOTAutograd's make_fx, and Inductor's ``symbolic_trace`` of a one-line
+    function (``loop_body.InterpreterShim._dummy_gm``, once per process, in the first compile that
+    analyses a loop's index bounds: a static size). A module called meanwhile in another thread
+    (the user's eager model, a piece served as traced while it compiles in the background) entered
+    that trace: the plain ``Tracer`` looks it up under its own root and raises ``NameError: module
+    is not installed as a submodule``; make_fx's tracer runs it through its own bookkeeping. Here
+    each method patched on a class is installed behind a function that calls the tracer's wrapper
+    in the thread that patched and, in any other thread, what the class had before. The tracing
+    thread sees no change, nested traces and Dynamo's revert and reapply of the patches included
+    (``_maybe_revert_all_patches`` reads the process-wide ``CURRENT_PATCHER``: safe because every
+    compile, Dynamo's and tessera's, holds Dynamo's compile lock). Patches of module globals
+    (``torch.fx.wrap``, autowrapped ``math`` functions) stay as they are: their wrappers act on a
+    ``Proxy`` argument only, which another thread never has. Two FX traces in two threads at once
+    stay unsupported (torch undoes patches in its own order). pytorch/pytorch#187589 proposes the
+    same upstream (a thread-local patcher); remove once every supported torch has it.
+    """
+    import torch.fx._symbolic_trace as module  # loaded by ``import torch``
+
+    patcher = getattr(module, "_Patcher", None)
+    original = getattr(patcher, "patch_method", None)
+    if original is None or getattr(original, "_tessera_this_thread_only", False):
+        return
+
+    @functools.wraps(original)
+    def patch_method(
+        self: Any, cls: type, name: str, new_fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        return original(self, cls, name, _in_this_thread_only(new_fn, getattr(cls, name)), *args, **kwargs)
+
+    patch_method._tessera_this_thread_only = True  # type: ignore[attr-defined]
+    patcher.patch_method = patch_method  # type: ignore[union-attr]
+
+
+def _in_this_thread_only(patched: Callable[..., Any], previous: Callable[..., Any]) -> Callable[..., Any]:
+    """``patched`` when called from the calling thread, ``previous`` from any other."""
+    owner = threading.get_ident()
+
+    @functools.wraps(patched)
+    def this_thread_only(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == owner:
+            return patched(*args, **kwargs)
+        return previous(*args, **kwargs)
+
+    return this_thread_only
+
+
+def isolate_fx_tracing() -> None:
+    """What one thread's FX trace changes process-wide, seen by that thread only: the tracing flag
+    (``isolate_fx_tracing_flag``) and the patched ``nn.Module`` methods (``isolate_fx_patches``).
+    Called under ``compile_state.COMPILE_LOCK`` (every compile of tessera's) and before a compile
+    thread starts: one cache lookup after the first call."""
+    isolate_fx_tracing_flag()
+    isolate_fx_patches()

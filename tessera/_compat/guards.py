@@ -1,0 +1,165 @@
+"""Dynamo's guards and traced graphs as tessera reads them: guard facts, placeholders, source
+names, the call state a guard compares, the globals a guard reads.
+
+Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tessera._compat.bytecode import module_for_bytecode
+from tessera._compat.tensors import is_constant_symint, sym_expr
+
+log = logging.getLogger(__name__)
+
+
+def dynamo_source_name(expr: str) -> str:
+    """``kwargs['x'].n`` (a guard's name) as Dynamo's full source name ``L['kwargs']['x'].n``."""
+    root, rest = re.match(r"^(\w+)(.*)$", expr).groups()  # type: ignore[union-attr]
+    return f"L[{root!r}]{rest}"
+
+
+def guard_code(guard: Any) -> list[str]:
+    """The Python expressions of a guard entry (``orig_guard.code_list``, torch 2.11-2.13)."""
+    code = getattr(getattr(guard, "orig_guard", None), "code_list", None)
+    return [c for c in code or () if isinstance(c, str)]
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardFact:
+    """One guard Dynamo produced, as tessera reads it (``GuardFilterEntry``, torch 2.11-2.15)."""
+
+    kind: str  # Dynamo's guard type: "TENSOR_MATCH", "CONSTANT_MATCH", ...
+    name: str  # its source, relative to the frame: ``args[0]``, ``kwargs['cache'].layers[0].keys``
+    value: Any  # the guarded object, read before the first call ran (None when not has_value)
+    has_value: bool
+    is_global: bool
+    code: tuple[str, ...]  # Dynamo's Python form of the guard, where it has one
+    detail: tuple[tuple[str, str], ...] = ()  # string arguments of the guard (HASATTR's ``attr``)
+
+
+def guard_fact(entry: Any) -> GuardFact:
+    """A ``GuardFilterEntry`` (the argument of ``guard_filter_fn``) as a ``GuardFact``."""
+    has_value = bool(getattr(entry, "has_value", False))
+    return GuardFact(
+        kind=str(entry.guard_type),
+        name=str(getattr(entry, "name", "") or ""),
+        value=entry.value if has_value else None,
+        has_value=has_value,
+        is_global=bool(getattr(entry, "is_global", False)),
+        code=tuple(guard_code(entry)),
+        detail=_guard_detail(entry),
+    )
+
+
+def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
+    # GuardBuilder methods bound with functools.partial carry their arguments (attr=, key=) in
+    # orig_guard.create_fn.keywords (torch 2.11-2.15); the C++ guard has no Python form to read.
+    # A Source argument (DUPLICATE_INPUT's ``source_b``) is kept as its name: ``name`` is a method
+    # up to torch 2.13 and a property after.
+    create = getattr(getattr(entry, "orig_guard", None), "create_fn", None)
+    keywords = getattr(create, "keywords", None) or {}
+    out = []
+    for key, argument in keywords.items():
+        value = argument
+        if not isinstance(value, str) and hasattr(value, "name") and hasattr(value, "guard_source"):
+            value = value.name() if callable(value.name) else value.name
+        if isinstance(value, str):
+            out.append((key, value))
+    return tuple(sorted(out))
+
+
+def placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
+    """The fake value of each graph input (SymInts and tensors with symbolic sizes), from the
+    placeholders' ``example_value`` metadata (torch 2.11-2.15)."""
+    return [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+
+
+def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
+    """Source name (``args[0]``) -> per dim of that graph input, the symbol Dynamo gave it (its
+    expression as text), or None for a static dim.
+
+    Read from the placeholders' ``grapharg`` and ``example_value`` metadata (torch 2.11-2.15; no
+    public accessor). A dim Dynamo specialised (a default dim the code fixes) reads as static.
+    """
+    out: dict[str, tuple[str | None, ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        value = node.meta.get("example_value")
+        if source is None or not isinstance(value, torch.Tensor):
+            continue
+        name = local_source_name(source.name() if callable(source.name) else str(source.name))
+        out[name] = tuple(
+            str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else None
+            for s in value.shape
+        )
+    return out
+
+
+def local_source_name(name: str) -> str:
+    """Dynamo's ``L['kwargs']['x']`` as the guard-entry form ``kwargs['x']`` (the inverse of
+    ``dynamo_source_name``)."""
+    return re.sub(r"\bL\[['\"](\w+)['\"]\]", r"\1", name)
+
+
+def call_state() -> tuple[Any, ...]:
+    """The global state a traced graph bakes in: autocast (per device: enabled, dtype), the default
+    dtype, and the depth of the torch-function mode stack (``with torch.device(...)``,
+    ``set_default_device``). Grad mode is handled apart (inference graphs, see api.py).
+
+    ``torch.get_autocast_dtype`` and ``torch._C._len_torch_function_stack`` (torch 2.11-2.15).
+    """
+    autocast = tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(device)
+    )
+    return (autocast, torch.get_default_dtype(), torch._C._len_torch_function_stack())
+
+
+# Devices whose autocast state a call check compares (the ones torch 2.11-2.15 CPUs and GPUs use).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def any_autocast() -> Callable[[], bool]:
+    """A cheap test of whether any autocast is on (``torch._C._is_any_autocast_enabled``, 2.11-2.15)."""
+    return torch._C._is_any_autocast_enabled  # type: ignore[no-any-return]
+
+
+def function_mode_depth() -> Callable[[], int]:
+    """``torch._C._len_torch_function_stack`` (torch 2.11-2.15): > 0 under ``with torch.device()``."""
+    return torch._C._len_torch_function_stack  # type: ignore[no-any-return]
+
+
+class _GuardGlobals(dict):  # type: ignore[type-arg]
+    """The traced frame's globals as Dynamo's guards name them (``G['__import_torch']``): names
+    Dynamo installed in the cold process, resolved on demand in a warm one."""
+
+    def __missing__(self, name: str) -> Any:
+        # Dynamo's aliases (torch 2.11-2.15): __import_<module with '.' as '_dot_'>, and
+        # __builtins_dict___<n> for the builtins' dict.
+        if name.startswith("__import_"):
+            value: Any = module_for_bytecode(name[len("__import_") :].replace("_dot_", "."))
+        elif name.startswith("__builtins_dict__"):
+            import builtins
+
+            value = builtins.__dict__
+        else:
+            raise KeyError(name)
+        self[name] = value
+        return value
+
+
+def guard_globals(namespace: dict[str, Any]) -> dict[str, Any]:
+    """What ``G`` means in a guard's expression, for a frame whose globals are ``namespace``."""
+    return _GuardGlobals(namespace)

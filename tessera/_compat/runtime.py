@@ -1,0 +1,84 @@
+"""nn.Module's hooks, torch's structured trace and the order of thread joins at exit.
+
+Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module  # loaded by `import torch`; read on every call
+
+log = logging.getLogger(__name__)
+
+
+# -- nn.Module hooks ----------------------------------------------------------------------------
+# The hook dicts nn.Module.__call__ reads (torch 2.11-2.13, torch/nn/modules/module.py): tessera
+# calls the root's forward directly, so it runs the root's hooks itself, in the same order.
+def global_module_hooks() -> bool:
+    return bool(
+        nn_module._global_forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
+
+
+def global_backward_hooks() -> bool:
+    return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
+def forward_hooks(
+    module: torch.nn.Module,
+) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]], set[int], set[int]]:
+    """(pre-hooks, hooks, pre-hook ids taking kwargs, hook ids taking kwargs), globals first."""
+    from torch.nn.modules import module as nn_module
+
+    pre_hooks = [*nn_module._global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()]
+    hooks = [*nn_module._global_forward_hooks.items(), *module._forward_hooks.items()]
+    pre_with_kwargs = set(module._forward_pre_hooks_with_kwargs)
+    with_kwargs = set(module._forward_hooks_with_kwargs) | set(nn_module._global_forward_hooks_with_kwargs)
+    return pre_hooks, hooks, pre_with_kwargs, with_kwargs
+
+
+# -- torch's structured trace (TORCH_TRACE, read by tlparse) ---------------------------------------
+def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = True) -> None:
+    """An artifact in torch's structured trace (``torch._logging.trace_structured``, 2.11-2.13).
+
+    Costs a handler check when ``TORCH_TRACE`` is not set. ``in_compile``: emitted inside
+    Dynamo's compile of the model (attributed to its compile id).
+    """
+    from torch._logging import trace_structured  # type: ignore[attr-defined]
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "string"},
+        payload_fn=payload,
+        expect_trace_id=in_compile,
+    )
+
+
+def join_before_pools_shut(thread: threading.Thread) -> None:
+    """Have the interpreter's exit wait for ``thread`` before thread and process pools refuse work.
+
+    Reason: at exit, ``threading._shutdown`` runs its exit hooks before it joins non-daemon threads,
+    and ``concurrent.futures``'s hook makes every pool refuse new work ("cannot schedule new futures
+    after interpreter shutdown"). Inductor's compile submits to such pools, so a background compile
+    still running when the main thread ends would fail. Hooks run last-registered first: the pool
+    modules are imported before ours is registered, so ours runs before theirs.
+    (``threading._register_atexit`` is private to CPython; without it, the compile may fail at exit,
+    which is logged, and the next process compiles what is missing.)
+    """
+    import concurrent.futures.process
+    import concurrent.futures.thread  # noqa: F401
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    with contextlib.suppress(RuntimeError):  # already shutting down: nothing left to order
+        register(thread.join)
