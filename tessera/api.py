@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -35,20 +34,11 @@ from tessera.cache.key import fingerprint_record
 from tessera.compile_state import between_compiles
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
-from tessera.errors import ConfigError, UnsupportedModelError, UntestedTorchWarning
+from tessera.errors import ConfigError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
-from tessera.guarded import start_guarded
+from tessera.guarded import record_guarded, start_guarded
 from tessera.piece import PieceRecord
-from tessera.report import (
-    CompileReport,
-    GraphReport,
-    build_report,
-    counter_delta,
-    merge_graph_reports,
-    save_report,
-    sizes_served,
-    timeline,
-)
+from tessera.report import CompileReport, GraphReport, counter_delta, model_report, save_report
 from tessera.trace_entry import Model, TraceContext, TraceEntry
 from tessera.traces import Traces
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
@@ -102,19 +92,11 @@ def compile(
     if config.backend == "inductor" or config.mode == "stock":
         validation.check_inductor_keys(config.inductor_config)
     check_backend(config)  # a custom compiler that does not import fails here, not at the first call
-    _warn_if_untested_torch()
+    validation.warn_if_untested_torch()
     compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)
     if dynamic_dims is not None:
         validation.check_dynamic_dim_names(compiled.signature, dynamic_dims)
     return compiled
-
-
-@functools.cache
-def _warn_if_untested_torch() -> None:
-    """Once per process: a torch outside the tested range installs and runs, with a warning."""
-    reason = _compat.untested_torch()
-    if reason is not None:
-        warnings.warn(reason, UntestedTorchWarning, stacklevel=3)
 
 
 class Stage(enum.Enum):
@@ -272,33 +254,15 @@ class CompiledModel:
         return own + [b for _, b in self._graphs]
 
     def _make_report(self) -> CompileReport:
-        if self._graphs:  # the guarded path: one report of every graph's pieces
-            return merge_graph_reports(
-                [
-                    build_report(self.name, self.compile_config, b, {}, self._counters, 0.0)
-                    for _, b in self._graphs
-                ],
-                tuple(r for r, _ in self._graphs),
-                dict(self.startup_phases),
-                self.first_call_seconds or 0.0,
-            )
-        report = build_report(
+        return model_report(
             self.name,
             self.compile_config,
             self._backend,
+            self._graphs,
+            self._traces,
             dict(self.startup_phases),
             self._counters,
             self.first_call_seconds or 0.0,
-        )
-        if self._traces is None:
-            return report
-        backends = list({id(b): b for b in self._traces.backends()}.values())
-        return dataclasses.replace(
-            report,
-            traces=self._traces.reports(),
-            timeline=timeline(self._traces.spans(), backends),
-            sizes_served=sizes_served(backends),
-            learnt_sizes=tuple(s for b in backends for s in b.learning.learnt_sizes),
         )
 
     @property
@@ -434,7 +398,7 @@ class CompiledModel:
         except UnsupportedModelError as e:
             if self.compile_config.fullgraph or e.dynamo_error is None:
                 raise
-            self._record_guarded(str(e))
+            record_guarded(self._traces.context if self._traces is not None else None, self.name, str(e))
             return self._start_guarded(args, kwargs, values, str(e))
         # Warm: a saved trace served the first call, and nothing was traced for it.
         self.warm_start = bool(traces.entries) and all(e.loaded for e in traces.entries)
@@ -507,16 +471,6 @@ class CompiledModel:
 
         self._calls[id(entry)] = (entry, call)
         self._move(call=call, spec=entry.spec)
-
-    def _record_guarded(self, reason: str) -> None:
-        """Tell the next process this model takes the guarded path (no one-graph trace to fail)."""
-        context = self._traces.context if self._traces is not None else None
-        if context is None or context.root is None or context.fingerprint is None:
-            return
-        try:
-            pointer.write_path(context.root, context.fingerprint, "guarded", reason)
-        except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
-            log.debug("%s: path not recorded (%s)", self.name, e)
 
     def _start_guarded(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], reason: str

@@ -5,6 +5,7 @@ Dynamo's cache is the home of its graphs, and the model's report lists them."""
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable
@@ -14,11 +15,15 @@ import torch
 
 from tessera import _compat, hooks
 from tessera.backend import PiecewiseBackend
+from tessera.cache import pointer
 from tessera.config import CompileConfig
 from tessera.errors import TesseraWarning
 from tessera.grad import grad_tensors, refuse_if_grad_needed
 from tessera.report import GraphReport
+from tessera.trace_entry import TraceContext
 from tessera.wrapper import DynamicChoice, entry_frame, mark_dynamic
+
+log = logging.getLogger(__name__)
 
 
 def start_guarded(
@@ -70,3 +75,13 @@ def start_guarded(
         stacklevel=5,
     )
     return output, served, seconds
+
+
+def record_guarded(context: TraceContext | None, name: str, reason: str) -> None:
+    """Tell the next process this model takes the guarded path (no one-graph trace to fail)."""
+    if context is None or context.root is None or context.fingerprint is None:
+        return
+    try:
+        pointer.write_path(context.root, context.fingerprint, "guarded", reason)
+    except OSError as e:  # a read-only cache: the next process fails the one-graph trace too
+        log.debug("%s: path not recorded (%s)", name, e)

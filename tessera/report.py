@@ -310,3 +310,35 @@ def save_report(entry: Path, kind: str, as_json: str) -> None:
         atomic_write(entry / f"report-{kind}.json", as_json.encode())
     except OSError as e:  # a read-only cache: the record stays in memory
         log.debug("compile record not saved in %s: %s", entry, e)
+
+
+def model_report(
+    name: str,
+    config: CompileConfig,
+    backend: Any,
+    graphs: list[tuple[GraphReport, Any]],
+    traces: Any,
+    phases: dict[str, float],
+    counters: tuple[tuple[str, int], ...],
+    first_call_seconds: float,
+) -> CompileReport:
+    """A compiled model's record: of its traces (``traces``: traces.Traces, with ``backend`` the
+    one serving now), or on the guarded path of every graph's pieces (``graphs``)."""
+    if graphs:
+        return merge_graph_reports(
+            [build_report(name, config, b, {}, counters, 0.0) for _, b in graphs],
+            tuple(r for r, _ in graphs),
+            phases,
+            first_call_seconds,
+        )
+    report = build_report(name, config, backend, phases, counters, first_call_seconds)
+    if traces is None:
+        return report
+    backends = list({id(b): b for b in traces.backends()}.values())
+    return dataclasses.replace(
+        report,
+        traces=traces.reports(),
+        timeline=timeline(traces.spans(), backends),
+        sizes_served=sizes_served(backends),
+        learnt_sizes=tuple(s for b in backends for s in b.learning.learnt_sizes),
+    )

@@ -5,6 +5,7 @@ Each message names the field (or variable), the value given and what is accepted
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -290,6 +291,19 @@ def env_seconds(name: str, default: float) -> float:
             raise ValueError("expected a number of seconds > 0")
 
     return float(env_value(name, default, float, positive))
+
+
+@functools.cache
+def warn_if_untested_torch() -> None:
+    """Once per process: a torch outside the tested range installs and runs, with a warning."""
+    import warnings
+
+    from tessera import _compat
+    from tessera.errors import UntestedTorchWarning
+
+    reason = _compat.untested_torch()
+    if reason is not None:
+        warnings.warn(reason, UntestedTorchWarning, stacklevel=3)
 
 
 def check_prefix(prefix: Any, field: str = "prefix", example: str = "backbone") -> None:

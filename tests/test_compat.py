@@ -366,10 +366,10 @@ def test_the_installed_torch_is_in_the_tested_range_and_others_warn_once(monkeyp
     assert _compat.untested_torch("2.11.0") is None
     assert "outside the range" in (_compat.untested_torch("2.16.0") or "")
     assert "outside the range" in (_compat.untested_torch("2.10.1") or "")
-    from tessera import api
+    from tessera import validation
 
     monkeypatch.setattr(torch, "__version__", "2.99.0")
-    api._warn_if_untested_torch.cache_clear()
+    validation.warn_if_untested_torch.cache_clear()
     try:
         with pytest.warns(tessera.UntestedTorchWarning, match="2.99.0"):
             tessera.compile(two_inputs, backend="eager")
@@ -377,7 +377,7 @@ def test_the_installed_torch_is_in_the_tested_range_and_others_warn_once(monkeyp
             warnings.simplefilter("error")
             tessera.compile(two_inputs, backend="eager")  # once per process
     finally:
-        api._warn_if_untested_torch.cache_clear()
+        validation.warn_if_untested_torch.cache_clear()
 
 
 def test_a_thread_joined_before_pools_shut_can_still_use_a_pool_after_the_main_thread_ends():
