@@ -337,7 +337,15 @@ def model_report(
     backends = list({id(b): b for b in traces.backends()}.values())
     return dataclasses.replace(
         report,
-        traces=traces.reports(),
+        traces=tuple(
+            TraceReport(
+                e.number,
+                e.reason,
+                "loaded" if e.loaded else "traced",
+                str(e.backend.entry.path) if e.backend.entry is not None else None,
+            )
+            for e in traces.entries
+        ),
         timeline=timeline(traces.spans(), backends),
         sizes_served=sizes_served(backends),
         learnt_sizes=tuple(s for b in backends for s in b.learning.learnt_sizes),

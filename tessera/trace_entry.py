@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera import call_check
+import torch
+
+from tessera import _compat, call_check
 from tessera.backend import PiecewiseBackend
 from tessera.cache.remote import RemoteTier
 
@@ -57,3 +59,30 @@ class Model:
     traced_fn: types.FunctionType  # the frame tessera traces (wrapper.entry_frame)
     signature: inspect.Signature
     owner: Any  # the module whose parameters name a tensor needing grad (or None)
+
+
+def top_level_tensors(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor):
+            yield ("args", str(i)), value
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            yield ("kwargs", key), value
+
+
+def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """The version counter of each top-level tensor argument (in-place writes bump it)."""
+    return {path: _compat.version_counter(tensor) for path, tensor in top_level_tensors(args, kwargs)}
+
+
+def changed_arguments(
+    before: dict[tuple[str, str], int], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> frozenset[tuple[str, str]]:
+    """The arguments whose version moved since ``before``: the ones the model writes to."""
+    return frozenset(
+        path
+        for path, tensor in top_level_tensors(args, kwargs)
+        if before.get(path, -1) != _compat.version_counter(tensor)
+    )

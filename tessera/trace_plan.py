@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tessera import _compat, call_check, dynamo_guards, validation
-from tessera.wrapper import DynamicChoice
+from tessera.wrapper import DynamicChoice, choose_dynamic_dims, mark_dynamic
 
 
 @dataclass(frozen=True)
@@ -227,3 +228,57 @@ def size_floors(
                 )
             )
     return tuple(out)
+
+
+def dims_for(
+    plan: TracePlan,
+    func: types.FunctionType,
+    values: dict[str, Any],
+    wanted: Mapping[str, int | tuple[int, ...]] | None,
+    soft: bool,
+) -> DynamicChoice:
+    """The dims marked dynamic for a trace of this call: the user's (``wanted``, or the guess),
+    and those earlier traces found changing; minus those held static. ``soft``: suggested dims
+    (tessera.hf), marked "maybe dynamic"."""
+    if soft and wanted is not None:
+        # Suggested dims: an argument that is not a tensor in this call (a mask passed as a dict
+        # of masks) has none.
+        wanted = {n: d for n, d in wanted.items() if isinstance(values.get(n), torch.Tensor)}
+    choice = choose_dynamic_dims(func, values, wanted)
+    extra = [
+        (n, d)
+        for n, d in plan.dims
+        if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and (n, d) not in choice.dims
+    ]
+    dims = tuple(d for d in (*choice.dims, *extra) if not small_apart(plan, d[0], d[1], values.get(d[0])))
+    return DynamicChoice(dims, choice.guessed or soft or plan.soft or bool(extra))
+
+
+def mark_call(
+    plan: TracePlan,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    values: dict[str, Any],
+    choice: DynamicChoice,
+    mode: str,
+    mark_nested: Callable[[dict[str, Any]], None] | None,
+    oblivious: bool,
+) -> bool:
+    """Mark this call's tensors for its trace: the chosen dims (``mode``), the nested dims the plan
+    makes dynamic ("maybe dynamic"), and a preset's own marks (``mark_nested``). Whether a dynamic
+    size of 0 or 1 was given a general hint (size-oblivious traces only)."""
+    mark_dynamic(values, choice, mode)
+    if mark_nested is not None:
+        mark_nested(values)
+    dynamo = _compat.dynamo()
+    for tensor, dim in nested_tensors(plan, args, kwargs):
+        dynamo.maybe_mark_dynamic(tensor, dim)
+    small = 0
+    if oblivious:
+        # A dynamic size of 0 or 1 traced with a general hint: Inductor reads the hint as the size
+        # where it decides (a kernel for one row served two wrongly). The trace is kept only if
+        # this call holds every guard it made (trace_check.recorder).
+        for value, dim in small_dims(values, choice):
+            _compat.override_size_hint(value, dim, GENERAL_HINT)
+            small += 1
+    return small > 0

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,31 +38,27 @@ from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import grad_tensors, refuse_if_grad_needed
-from tessera.layout import to_layout
-from tessera.report import TraceReport
 from tessera.trace_check import TracedAtOne, recorder
-from tessera.trace_entry import Model, TraceContext, TraceEntry
+from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
 from tessera.trace_plan import (
-    GENERAL_HINT,
     TracePlan,
     changed_dims,
+    dims_for,
     hinted,
+    mark_call,
     merged_plans,
     nested_tensors,
     newcomer_dims,
     plan_from_json,
     plan_to_json,
-    small_apart,
-    small_dims,
     widened,
 )
+from tessera.trace_route import changed_since_every_entry, covering, layout_of_written_input, nearest, refusal
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
     bind_arguments,
-    choose_dynamic_dims,
     eager_errors_first,
-    mark_dynamic,
     trace_once,
 )
 
@@ -152,7 +148,7 @@ class Traces:
         """Trace this call once more (widening the plan by what changed), add and serve it. A trace
         that fails on the call's values where eager fails too raises eager's error (the caller's)."""
         with self._lock, self._eager_errors_first(args, kwargs):
-            changed = self._changed_since_every_entry(args, kwargs)
+            changed = changed_since_every_entry(self.model.signature, self.entries, args, kwargs)
             names = call_args.argument_names(self.model.signature, args, kwargs)
             self.plan = widened(self.plan, names, [*mismatches, *changed])
             try:
@@ -258,7 +254,7 @@ class Traces:
             shared=self._by_graph,
         )
         start, wall = time.perf_counter(), time.time()
-        versions = _versions(args, kwargs)
+        before = versions(args, kwargs)
         nested = [t for t, _ in nested_tensors(self.plan, args, kwargs)]
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)] + nested
         with COMPILE_LOCK, _compat.dim_marks_restored(marked):
@@ -267,20 +263,9 @@ class Traces:
                 if self.config.dynamic_shapes == "backed_size_oblivious"
                 else self.config.dynamic_shapes
             )
-            mark_dynamic(values, choice, mode)
-            if self.mark_nested is not None:
-                self.mark_nested(values)
-            dynamo = _compat.dynamo()
-            for tensor, dim in nested_tensors(self.plan, args, kwargs):
-                dynamo.maybe_mark_dynamic(tensor, dim)
-            small = 0
-            if oblivious:
-                # A dynamic size of 0 or 1 traced with a general hint: Inductor reads the hint as
-                # the size where it decides (a kernel for one row served two wrongly). The trace
-                # is kept only if this call holds every guard it made (_recorder).
-                for value, dim in small_dims(values, choice):
-                    _compat.override_size_hint(value, dim, GENERAL_HINT)
-                    small += 1
+            hinted_small = mark_call(
+                self.plan, args, kwargs, values, choice, mode, self.mark_nested, oblivious
+            )
             trace = trace_once(
                 model.traced_fn,
                 receiver,
@@ -288,11 +273,11 @@ class Traces:
                 args,
                 kwargs,
                 model.func.__qualname__,
-                recorder(self.model, args, kwargs, choice, oblivious, small > 0, self._dropped),
+                recorder(self.model, args, kwargs, choice, oblivious, hinted_small, self._dropped),
                 self.plan.state,
                 size_oblivious=oblivious,
             )
-        mutated = _changed(versions, args, kwargs)
+        mutated = changed_arguments(before, args, kwargs)
         tensors = frozenset(n for n, v in values.items() if isinstance(v, torch.Tensor))
         self.plan = dataclasses.replace(self.plan, seen=self.plan.seen | tensors)
         backend = receiver.received()
@@ -400,44 +385,8 @@ class Traces:
         return entry
 
     def choose(self, values: dict[str, Any]) -> DynamicChoice:
-        """The dims marked dynamic for a trace of this call: the user's (or the guess), and those
-        earlier re-traces found changing; minus those held static."""
-        wanted = self.dynamic_dims
-        if self.soft_dims and wanted is not None:
-            # Suggested dims (tessera.hf): an argument that is not a tensor in this call (a
-            # mask passed as a dict of masks) has none.
-            wanted = {n: d for n, d in wanted.items() if isinstance(values.get(n), torch.Tensor)}
-        choice = choose_dynamic_dims(self.model.func, values, wanted)
-        extra = [
-            (n, d)
-            for n, d in self.plan.dims
-            if isinstance(values.get(n), torch.Tensor) and d < values[n].dim() and (n, d) not in choice.dims
-        ]
-        dims = tuple(
-            d for d in (*choice.dims, *extra) if not small_apart(self.plan, d[0], d[1], values.get(d[0]))
-        )
-        return DynamicChoice(dims, choice.guessed or self.soft_dims or self.plan.soft or bool(extra))
-
-    def _changed_since_every_entry(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> list[tuple[call_check.Assumption, Any]]:
-        """What this call changed against every entry, not only the nearest: a size or an argument
-        int that took another value in any trace is dynamic from now on, as Dynamo's automatic
-        dynamic keeps one record of the sizes seen for all of a frame's graphs. (Widened by the
-        nearest entry alone, a batch that changed between two decode steps stayed static in the
-        cache's tensors, and every batch of a generate() loop was a trace of its own.)"""
-        changed: list[tuple[call_check.Assumption, Any]] = []
-        for entry in self.entries:
-            try:
-                n_args, n_kwargs = call_args.normalise(self.model.signature, entry.spec, args, kwargs)
-            except call_check.InputMismatchError:
-                continue  # another structure: nothing to compare
-            changed.extend(
-                (assumption, found)
-                for assumption, found in entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-                if not assumption.floor
-            )
-        return changed
+        """The dims marked dynamic for a trace of this call (trace_plan.dims_for)."""
+        return dims_for(self.plan, self.model.func, values, self.dynamic_dims, self.soft_dims)
 
     def _dropped(self, dropped: tuple[tuple[str, int], ...]) -> None:
         self.dropped_guards = dropped
@@ -470,7 +419,7 @@ class Traces:
             nearest, reason, mismatches = self._nearest(args, kwargs)
             if len(self.entries) >= self.config.max_traces:
                 raise self._refusal(nearest, reason, mismatches)
-            if nearest is not None and _layout_of_written_input(nearest, mismatches):
+            if nearest is not None and layout_of_written_input(nearest, mismatches):
                 # A model that writes to its input, called with it in another layout: a copy
                 # would lose the write, and a trace for that layout is not made (its compiled
                 # kernels were seen to assume the first layout). Refused, saying what to pass.
@@ -494,41 +443,18 @@ class Traces:
         among: list[TraceEntry] | None = None,
         serve: bool = True,
     ) -> tuple[Any] | None:
-        """The output of the entry that covers this call (as passed, normalised to its traced
-        structure, or with an argument copied into its traced layout); None if none does.
-        ``among``: those entries instead of the model's; ``serve=False``: the entry, not run."""
+        """The output of the entry that covers this call (trace_route.covering); None if none
+        does. ``among``: those entries instead of the model's; ``serve=False``: the entry, not run."""
         ordered = self._ordered() if among is None else among
-        for entry in ordered:
-            if entry.accepts(args, kwargs):
-                if not serve:
-                    return (entry,)
-                self._serving(entry)
-                return (entry.fast(*args, **kwargs),)
-        state = _compat.call_state()
-        for entry in ordered:
-            if entry.spec.global_state and entry.spec.global_state != state:
-                continue  # traced under another autocast, default dtype or function mode
-            try:
-                rewrite = call_args.rewrite(self.model.signature, entry.spec, len(args), tuple(kwargs))
-                n_args, n_kwargs = rewrite.apply(args, kwargs)
-            except call_check.InputMismatchError:
-                continue
-            # The assumptions one by one: the quick check compares a tuple, where NaN != NaN.
-            mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-            if serve and not mismatches and entry.accepts(n_args, n_kwargs):
-                # Only the syntax differs: later calls of this shape skip this search.
-                self.shapes.remember(call_shapes.shape_of(args, kwargs), entry, rewrite)
-            if mismatches:
-                if not all(call_check.layout_path(a) for a, _ in mismatches):
-                    continue
-                n_args, n_kwargs = _fix_layouts(entry, n_args, n_kwargs, mismatches)
-                if entry.spec.mismatches(n_args, n_kwargs, entry.bound):
-                    continue
-            if not serve:
-                return (entry,)
-            self._serving(entry)
-            return (entry.fast(*n_args, **n_kwargs),)
-        return None
+        remember = self.shapes.remember if serve else None
+        found = covering(self.model.signature, ordered, args, kwargs, remember)
+        if found is None:
+            return None
+        entry, n_args, n_kwargs = found
+        if not serve:
+            return (entry,)
+        self._serving(entry)
+        return (entry.fast(*n_args, **n_kwargs),)
 
     def _ordered(self) -> list[TraceEntry]:
         last = self.last
@@ -544,47 +470,12 @@ class Traces:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], among: list[TraceEntry] | None = None
     ) -> tuple[TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]:
         """The entry this call differs least from, in words, and the assumptions it breaks."""
-        best: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]] | None = None
-        state = _compat.call_state()
-        for entry in self._ordered() if among is None else among:
-            candidate: tuple[int, TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]
-            try:
-                n_args, n_kwargs = call_args.normalise(self.model.signature, entry.spec, args, kwargs)
-            except call_check.InputMismatchError as e:
-                candidate = (10_000, entry, str(e), [])
-            else:
-                mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-                words = call_check.explain(mismatches) if mismatches else ""
-                if entry.spec.global_state and entry.spec.global_state != state:
-                    words = "; ".join(
-                        w for w in (call_check.explain_state(entry.spec.global_state, state), words) if w
-                    )
-                candidate = (len(mismatches), entry, words or "the call differs", mismatches)
-            if best is None or candidate[0] < best[0]:
-                best = candidate
-        if best is None:
-            return None, "the first call", []
-        return best[1], best[2], best[3]
+        return nearest(self.model.signature, self._ordered() if among is None else among, args, kwargs)
 
     def _refusal(
         self, nearest: TraceEntry | None, reason: str, mismatches: list[tuple[call_check.Assumption, Any]]
     ) -> call_check.InputMismatchError:
-        listed = "; ".join(f"trace {e.number}: {e.reason}" for e in self.entries)
-        limit = self.config.max_traces
-        more = (
-            "max_traces=1 traces once and refuses every call unlike the first: raise it to trace again"
-            if limit == 1
-            else f"raise max_traces (now {limit})"
-        )
-        advice = f"{call_check.advice(mismatches)}; or {more}; or use mode='stock' (Dynamo's guards)"
-        state = _compat.call_state()
-        kind = call_check.InputMismatchError
-        if nearest is not None and nearest.spec.global_state and nearest.spec.global_state != state:
-            kind = call_check.StateMismatchError
-        return kind(
-            f"{self.model.name}: no trace covers this call ({reason}), and the model holds "
-            f"{len(self.entries)} trace(s), the limit ({listed}). To serve it: {advice}"
-        )
+        return refusal(self.model.name, self.entries, self.config.max_traces, nearest, reason, mismatches)
 
     def _say(self, message: str) -> None:
         if message not in self._said:
@@ -599,76 +490,8 @@ class Traces:
         """Each trace made in this process: (name, wall-clock start, seconds)."""
         return [(f"trace {e.number}", e.started, e.seconds) for e in self.entries if not e.loaded]
 
-    def reports(self) -> tuple[TraceReport, ...]:
-        return tuple(
-            TraceReport(
-                e.number,
-                e.reason,
-                "loaded" if e.loaded else "traced",
-                str(e.backend.entry.path) if e.backend.entry is not None else None,
-            )
-            for e in self.entries
-        )
-
 
 def _first_line(error: BaseException) -> str:
     """An exception's first line (torch's carry a page of context), for a log line."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _layout_of_written_input(entry: TraceEntry, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
-    return (
-        bool(mismatches)
-        and entry.spec.writes_in_place
-        and all(call_check.layout_path(a) for a, _ in mismatches)
-    )
-
-
-def _fix_layouts(
-    entry: TraceEntry,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    mismatches: list[tuple[call_check.Assumption, Any]],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Arguments whose only difference is their layout, copied into the traced layout (the
-    compiled code assumes it). An argument the model writes to is not copied: the write would
-    miss the caller's tensor, so the call is traced for its own layout instead."""
-    positional, keywords = list(args), dict(kwargs)
-    for assumption, _ in mismatches:
-        path = call_check.layout_path(assumption)
-        if path is None or path in entry.mutated or entry.spec.writes_in_place:
-            continue
-        kind, key = path
-        if kind == "args" and isinstance(positional[int(key)], torch.Tensor):
-            positional[int(key)] = to_layout(positional[int(key)], assumption.expected)
-        elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
-            keywords[key] = to_layout(keywords[key], assumption.expected)
-    return tuple(positional), keywords
-
-
-def _top_level_tensors(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
-    for i, value in enumerate(args):
-        if isinstance(value, torch.Tensor):
-            yield ("args", str(i)), value
-    for key, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            yield ("kwargs", key), value
-
-
-def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[tuple[str, str], int]:
-    """The version counter of each top-level tensor argument (in-place writes bump it)."""
-    return {path: _compat.version_counter(tensor) for path, tensor in _top_level_tensors(args, kwargs)}
-
-
-def _changed(
-    before: dict[tuple[str, str], int], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> frozenset[tuple[str, str]]:
-    """The arguments whose version moved since ``before``: the ones the model writes to."""
-    return frozenset(
-        path
-        for path, tensor in _top_level_tensors(args, kwargs)
-        if before.get(path, -1) != _compat.version_counter(tensor)
-    )

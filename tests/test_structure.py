@@ -74,3 +74,15 @@ def test_the_cli_does_not_import_the_repositorys_benchmarks():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [n for n in names if n.split(".")[0] == "benchmarks"], path
+
+
+def test_every_module_is_small_and_the_pieces_owner_smaller():
+    """A module has one job: none over 500 lines, and the owner of a model's pieces (whose every
+    stage once lived in it) under 300."""
+    import re
+
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert not {p: n for p, n in sizes.items() if n > 500}, "split these modules"
+    backend = (PACKAGE / "backend.py").read_text()
+    body = re.search(r"^class PiecewiseBackend\b.*?(?=^\S)", backend + "\nEND", re.S | re.M)
+    assert body is not None and len(body.group(0).splitlines()) < 300
