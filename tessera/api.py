@@ -158,6 +158,11 @@ class CompiledModel:
         if RECORDER is not None:
             RECORDER.append(self)
 
+    def use_preset(self, soft_dims: bool, mark_nested: Callable[[dict[str, Any]], None] | None) -> None:
+        """How a preset (tessera.hf) traces this model: ``soft_dims``, its dynamic dims are
+        suggestions ("maybe dynamic"); ``mark_nested``, marks it adds to each call's values."""
+        self._soft_dims, self._mark_nested = soft_dims, mark_nested
+
     def __getattr__(self, name: str) -> Any:
         # Called only for names CompiledModel lacks: the model's own (``unet.config``,
         # ``.dtype``, ``.device``), as code that held the model reads them (a diffusers pipeline).

@@ -205,17 +205,9 @@ class PiecewiseBackend:
         return self.artifact_cache.entry
 
     @property
-    def loaded(self) -> int:
-        return self.artifact_cache.loaded
-
-    @property
     def fallbacks(self) -> tuple[Fallback, ...]:
         """Piece artifacts the cache held that could not serve, and why (each obtained again)."""
         return tuple(self.artifact_cache.fallbacks)
-
-    @property
-    def compiled(self) -> int:
-        return self.artifact_cache.compiled
 
 
 def partitions_of(compiler: Compiler, fn: Callable[..., Any] | None) -> int | None:

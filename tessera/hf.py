@@ -97,8 +97,7 @@ class GenerateForward:
         self.compiled = tessera_compile(
             forward, config, dynamic_dims=_PREFILL_DIMS_4D_MASK, prefix="generate", **overrides
         )
-        self.compiled._soft_dims = True
-        self.compiled._mark_nested = _mark_growing
+        self.compiled.use_preset(soft_dims=True, mark_nested=_mark_growing)
         self.__signature__ = inspect.signature(forward)
 
     @property
@@ -185,39 +184,6 @@ def _cache_layers(cache: Any) -> list[Any]:
     return list(layers) if isinstance(layers, (list, tuple)) else []
 
 
-def _cache_kind(cache: Any) -> str:
-    """A cache as a kind of call sees it: its type; whether its layers hold tensors yet
-    (transformers 4.x's generate() resets the ``StaticCache`` it reuses: allocated, and empty);
-    and a fixed-size cache's lengths, which its tensors and masks have as static sizes
-    (transformers 4.x sizes a ``StaticCache`` for each generate() call: prompt plus new tokens)."""
-    layers = _cache_layers(cache)
-    kind = type(cache).__name__
-    if any(getattr(layer, "is_initialized", False) for layer in layers):
-        kind += " (allocated)"
-    if getattr(cache, "is_compileable", False):
-        lengths = {_capacity(layer) for layer in layers}
-        kind += f" {sorted(n for n in lengths if n is not None)}"
-    return kind
-
-
-def _capacity(layer: Any) -> int | None:
-    """How many positions a fixed-size cache layer holds."""
-    keys = getattr(layer, "keys", None)
-    if getattr(layer, "is_initialized", False) and isinstance(keys, torch.Tensor) and keys.dim() >= 2:
-        return int(keys.shape[-2])
-    length = getattr(layer, "max_cache_len", None)
-    return length if isinstance(length, int) else None
-
-
-def _given(name: str, value: Any) -> str:
-    """A keyword as a kind of call sees it: its name, and for a dict (a mask per attention type)
-    which entries it fills."""
-    if isinstance(value, dict):
-        filled = ",".join(sorted(str(k) for k, v in value.items() if v is not None))
-        return f"{name}[{filled}]"
-    return name
-
-
 def _contiguous_cache(cache: Any) -> None:
     for layer in _cache_layers(cache):
         for name in ("keys", "values"):
@@ -263,7 +229,7 @@ def _masks_of_their_own(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_view(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value._base is not None
+    return isinstance(value, torch.Tensor) and _compat.is_view(value)
 
 
 def _mark_mask_sequences(values: dict[str, Any]) -> None:

@@ -18,11 +18,9 @@ from tessera.errors import TesseraError
 
 def active(module: torch.nn.Module) -> bool:
     """Whether a call of ``module`` would run any forward or backward hook of the root."""
-    return bool(
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
+    return (
+        _compat.has_forward_hooks(module)
+        or _compat.has_backward_hooks(module)
         or _compat.global_module_hooks()
     )
 
@@ -31,7 +29,7 @@ def call_with_hooks(
     module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``forward(*args, **kwargs)`` between the root's pre-forward and forward hooks."""
-    if module._backward_hooks or module._backward_pre_hooks or _compat.global_backward_hooks():
+    if _compat.has_backward_hooks(module) or _compat.global_backward_hooks():
         raise TesseraError(
             f"{type(module).__name__} has backward hooks, which a compiled inference forward cannot "
             "keep; remove them, or use mode='stock' (torch.compile keeps them)"

@@ -344,7 +344,11 @@ def test_standalone_compile_saves_loads_and_exposes_its_code(tmp_path):
 def test_module_hook_dicts():
     module = torch.nn.Linear(2, 2)
     assert _compat.global_module_hooks() is False and _compat.global_backward_hooks() is False
+    assert not _compat.has_forward_hooks(module) and not _compat.has_backward_hooks(module)
+    module.register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    assert _compat.has_backward_hooks(module) and not _compat.has_forward_hooks(module)
     module.register_forward_pre_hook(lambda m, args: None)
+    assert _compat.has_forward_hooks(module)
     module.register_forward_hook(lambda m, args, kwargs, out: None, with_kwargs=True)
     pre, post, pre_kwargs, post_kwargs = _compat.forward_hooks(module)
     assert len(pre) == 1 and len(post) == 1 and not pre_kwargs and len(post_kwargs) == 1

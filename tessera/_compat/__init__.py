@@ -71,6 +71,8 @@ from tessera._compat.runtime import (
     forward_hooks as forward_hooks,
     global_backward_hooks as global_backward_hooks,
     global_module_hooks as global_module_hooks,
+    has_backward_hooks as has_backward_hooks,
+    has_forward_hooks as has_forward_hooks,
     join_before_pools_shut as join_before_pools_shut,
     trace_artifact as trace_artifact,
 )

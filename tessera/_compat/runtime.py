@@ -33,6 +33,18 @@ def global_backward_hooks() -> bool:
     return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has forward or pre-forward hooks of its own (``Module._forward_hooks``
+    and ``_forward_pre_hooks``, torch 2.11-2.15; no public accessor)."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+def has_backward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has backward or pre-backward hooks of its own (``Module._backward_hooks``
+    and ``_backward_pre_hooks``, torch 2.11-2.15; no public accessor)."""
+    return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
 def forward_hooks(
     module: torch.nn.Module,
 ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]], set[int], set[int]]:

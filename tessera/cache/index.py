@@ -90,9 +90,6 @@ class Index:
             model=self.model if self.model is not None else other.model,
         )
 
-    def by_content(self) -> dict[str, ArtifactRecord]:
-        return {r.content: r for r in self.entries.values() if r.content}
-
     def format(self) -> str:
         data: dict[str, Any] = {
             "version": VERSION,
