@@ -269,7 +269,7 @@ def _build(
     backend.contents[item.name] = content
     now = sizes[:1] if general_only else sizes
     found = None
-    if general_only and _serves_traced(backend):
+    if general_only and serves_traced(backend):
         found = backend.artifact_cache.find(
             item.graph, now[0], item.index, backend.artifact_cache.content_key(content, now[0])
         )
@@ -321,7 +321,7 @@ def _build(
     split_gm.__dict__[item.name] = backend.install_runner(record, runner)
 
 
-def _serves_traced(backend: PiecewiseBackend) -> bool:
+def serves_traced(backend: PiecewiseBackend) -> bool:
     # Not with a remote tier: the fleet's compile turn (one replica compiles, the others wait
     # and load) covers what the first call compiles, and a piece served as traced is not
     # compiled in that turn, so every replica would compile it.

@@ -218,13 +218,14 @@ def test_pieces_serve_as_traced_only_without_a_remote_tier():
     # With a fleet's shared store, the compile turn at the first call (one replica compiles,
     # the others wait and load) must cover the general artifacts: nothing serves as traced.
     from tessera.backend import PiecewiseBackend
+    from tessera.build import serves_traced
     from tessera.compilers import make_compiler
 
     config = tessera.CompileConfig(backend="inductor", background_compile=True)
     alone = PiecewiseBackend(config, make_compiler("inductor"), None, "m", serve_traced=True)
     fleet = PiecewiseBackend(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
     assert alone.entry is None and alone.artifact_cache.entry is None
-    assert alone._serves_traced() and not fleet._serves_traced()
+    assert serves_traced(alone) and not serves_traced(fleet)
 
 
 SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("setting", default="unset")
