@@ -27,7 +27,6 @@ import torch
 
 from tessera import _compat, call_check, counters, hooks, validation
 from tessera.backend import PiecewiseBackend
-from tessera.cache import pointer
 from tessera.cache.entry import cache_root, rank_dir
 from tessera.cache.fleet import fetch_pointer, remote_tier
 from tessera.cache.key import fingerprint_record
@@ -392,12 +391,10 @@ class CompiledModel:
             return compiled(*args, **kwargs), compiled
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
-        try:
-            traces.load_saved()
-        except pointer.OtherPath as e:  # recorded by an earlier process: graph breaks
-            traces.warm_refused = str(e)
-            log.info("%s: %s (recorded by an earlier process)", self.name, e)
-            return self._start_guarded(args, kwargs, values, e.reason)
+        other = traces.load_saved()
+        if other is not None:  # recorded by an earlier process: graph breaks
+            log.info("%s: %s (recorded by an earlier process)", self.name, other)
+            return self._start_guarded(args, kwargs, values, other.reason)
         try:
             output = traces.first(args, kwargs)
         except UnsupportedModelError as e:

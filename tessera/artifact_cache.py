@@ -22,6 +22,7 @@ from tessera.cache import liveness, trust
 from tessera.cache.entry import ARTIFACTS, CacheEntry, warn_write_failed
 from tessera.cache.index import ArtifactRecord, artifact_label, index_key, size_key
 from tessera.cache.key import KeyRecord
+from tessera.cache.refusal import Refused
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Size, size_label
 from tessera.errors import ArtifactDamaged, CompilerError
@@ -43,6 +44,16 @@ class CompileOutcome:
     source: str  # "compiled", "loaded" (from the cache) or "shared" (an identical piece's)
     record: ArtifactRecord | None = None
     worker: int | None = None  # the pid of the compile worker that compiled it (compile_pool.py)
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """One artifact a model obtained, in the order obtained (the report's table and timeline)."""
+
+    piece: str
+    size: Size
+    outcome: CompileOutcome
+    at: float  # wall-clock seconds when it was in hand
 
 
 class ArtifactCache:
@@ -192,14 +203,14 @@ class ArtifactCache:
             self.compiler.initialize_cache(None)
             return None
 
-    def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | str:
+    def load_only(self, graph: torch.fx.GraphModule, size: Size, index: int) -> CompileOutcome | Refused:
         """The artifact for ``(size, index)`` from the cache, or why not; never compiles."""
         start = time.perf_counter()
         loaded = self._load(index_key(size, index, self.compiler.name), graph, size, index)
         if loaded is None:
-            return "its artifact is missing"
+            return Refused("its artifact is missing")
         if isinstance(loaded, Fallback):
-            return f"its artifact is {loaded.reason}"
+            return Refused(f"its artifact is {loaded.reason}")
         counters.bump("backend_compilations")
         counters.bump("cache_hits")
         self.loaded += 1

@@ -22,7 +22,8 @@ import torch
 import torch.fx
 
 from tessera import _compat
-from tessera.artifact_cache import ArtifactCache, CompileOutcome
+from tessera.artifact_cache import ArtifactCache, CompileOutcome, Obtained
+from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.cache.entry import CacheEntry
 from tessera.cache.key import SourceFile
 from tessera.cache.remote import RemoteTier
@@ -93,9 +94,8 @@ class PiecewiseBackend:
         self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
         # seconds per phase (split, compile, load_kernels, ...)
         self.phases: dict[str, float] = dict(phases) if phases is not None else {}
-        # (piece, size, how obtained, when: wall-clock seconds), in the order obtained
-        self.outcomes: list[tuple[str, Size, CompileOutcome, float]] = []
-        self.artifact_status = "not written (cache disabled)"  # the whole-model artifact's fate
+        self.obtained: list[Obtained] = []  # every artifact, in the order obtained
+        self.artifact_fate = ArtifactFate(ArtifactState.OFF)  # the whole-model artifact's
         # Serve first, specialise after: what is left for after the first output (schedule.py).
         self.background = Background(self, before_ready=self._look_at_sizes)
         # Whether a piece may serve as traced (eagerly) until its general artifact is compiled in
@@ -139,10 +139,13 @@ class PiecewiseBackend:
             compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
             partitions=partitions_of(self.compiler, outcome.fn) if size is None else record.partitions,
         )
-        self.outcomes.append((item.name, size, outcome, time.time()))
+        self.note_obtained(item.name, size, outcome)
         self.record_stage(item, size, outcome)
         if progress is not None:
             progress.advance()
+
+    def note_obtained(self, piece: str, size: Size, outcome: CompileOutcome) -> None:
+        self.obtained.append(Obtained(piece, size, outcome, time.time()))
 
     def record_stage(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None:
         """One artifact obtained: in torch's structured trace, and in the debug dumps."""

@@ -296,7 +296,7 @@ def _build(
         progress.advance()
         backend.record_stage(item, size, outcome)
         artifacts[size] = outcome.fn
-        backend.outcomes.append((item.name, size, outcome, time.time()))
+        backend.note_obtained(item.name, size, outcome)
         seconds.append((size_label(size), outcome.seconds))
         timings.append((size_label(size), outcome.seconds, outcome.source))
     if timings:  # nothing obtained now: the piece serves as traced

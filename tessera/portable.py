@@ -14,13 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera import _compat
+from tessera.cache.refusal import Refused
 from tessera.wrapper import ENTRY_GLOBALS
 
 log = logging.getLogger(__name__)
-
-
-class NotPortable(Exception):
-    """The transformed bytecode needs something a new process cannot rebuild (the reason)."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +115,9 @@ def _restore_constants(
     return code.replace(co_consts=tuple(consts))
 
 
-def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode:
-    """The portable form of ``code``, Dynamo's transformation of ``func``; NotPortable says why not."""
+def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode | Refused:
+    """The portable form of ``code``, Dynamo's transformation of ``func``; or why it has none
+    (something a new process cannot rebuild)."""
     compiled_fn = None
     modules: dict[str, str] = {}
     objects: dict[str, bytes] = {}
@@ -133,16 +131,19 @@ def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode
         elif isinstance(value, types.ModuleType):
             modules[name] = getattr(value, "_tessera_real", value.__name__)
         else:
-            objects[name] = _saved_object(name, value)
+            saved = _saved_object(name, value)
+            if isinstance(saved, Refused):
+                return saved
+            objects[name] = saved
     if compiled_fn is None:
-        raise NotPortable("the bytecode does not call a compiled graph")
+        return Refused("the bytecode does not call a compiled graph")
     reads = _names_read_from(code, set(modules))
     found: list[tuple[tuple[int, ...], Any]] = []
     stripped = _strip_constants(code, (), found)
     try:
         pickle.dumps([value for _, value in found])
     except Exception as e:
-        raise NotPortable(f"a constant of the bytecode cannot be saved: {e}") from e
+        return Refused(f"a constant of the bytecode cannot be saved: {e}")
     return PortableCode(
         code=marshal.dumps(stripped),
         constants=tuple(found),
@@ -153,21 +154,21 @@ def capture_code(code: types.CodeType, func: types.FunctionType) -> PortableCode
     )
 
 
-def _saved_object(name: str, value: Any) -> bytes:
+def _saved_object(name: str, value: Any) -> bytes | Refused:
     """A global Dynamo installed that is no module, pickled (by reference for functions and
     classes: the warm process binds its own)."""
     if isinstance(value, dict):
         # A namespace Dynamo reads by identity (``___unnamed_scope``, the builtins' dict): a
         # pickled copy would be read instead of the live dict.
-        raise NotPortable(f"the bytecode reads {name}, a namespace that cannot be saved as a copy")
+        return Refused(f"the bytecode reads {name}, a namespace that cannot be saved as a copy")
     try:
         return pickle.dumps(value)
-    except Exception as e:
-        raise NotPortable(f"the bytecode reads {name} ({type(value).__name__}), which cannot be saved") from e
+    except Exception:
+        return Refused(f"the bytecode reads {name} ({type(value).__name__}), which cannot be saved")
 
 
-def resolve_globals(portable: PortableCode) -> dict[str, Any]:
-    """The globals the saved code reads, bound in this process; NotPortable names one that is not.
+def resolve_globals(portable: PortableCode) -> dict[str, Any] | Refused:
+    """The globals the saved code reads, bound in this process; or a Refused naming one that is not.
 
     Module aliases bind this process's modules (``__main__`` is the script now running), so a name
     the code reads from one must be defined here: it is checked now, not met at the first call.
@@ -176,8 +177,8 @@ def resolve_globals(portable: PortableCode) -> dict[str, Any]:
     for name, module_name in portable.modules:
         try:
             bound[name] = _compat.module_for_bytecode(module_name)
-        except ImportError as e:
-            raise NotPortable(f"the bytecode reads module {module_name}, which does not import here") from e
+        except ImportError:
+            return Refused(f"the bytecode reads module {module_name}, which does not import here")
     modules = dict(portable.modules)
     for alias, names in portable.reads:
         module = bound[alias]
@@ -185,26 +186,29 @@ def resolve_globals(portable: PortableCode) -> dict[str, Any]:
             continue  # a stand-in for Dynamo's own module: what it lacks, the real module has
         missing = [n for n in names if not hasattr(module, n)]
         if missing:
-            raise NotPortable(f"the bytecode reads {modules[alias]}.{missing[0]}, which is not defined here")
+            return Refused(f"the bytecode reads {modules[alias]}.{missing[0]}, which is not defined here")
     for name, blob in portable.objects:
         try:
             bound[name] = pickle.loads(blob)
         except (AttributeError, ImportError, pickle.UnpicklingError) as e:
             # Functions and classes are pickled by reference: one the script no longer defines.
-            raise NotPortable(f"the bytecode reads {name}, which does not load here ({e})") from e
+            return Refused(f"the bytecode reads {name}, which does not load here ({e})")
     return bound
 
 
 def rebuild_call(
     portable: PortableCode, entry: types.FunctionType, graph_callable: Callable[..., Any]
-) -> Callable[..., Any]:
+) -> Callable[..., Any] | Refused:
     """Dynamo's bytecode as a plain function again, calling ``graph_callable`` for the graph."""
     code = _restore_constants(marshal.loads(portable.code), dict(portable.constants), ())
     if code.co_freevars:
-        raise NotPortable("the saved bytecode expects a closure")
+        return Refused("the saved bytecode expects a closure")
+    bound = resolve_globals(portable)
+    if isinstance(bound, Refused):
+        return bound
     # A copy: the stand-ins for Dynamo's modules must not be in the entry frame's own globals,
     # where a later trace of it (a re-trace, bisection) would find them in place of the real ones.
-    namespace = {**entry.__globals__, **resolve_globals(portable)}
+    namespace = {**entry.__globals__, **bound}
     # Dynamo installs its compiled graph the same way: a uniquely named global of the frame.
     namespace[portable.compiled_fn] = graph_callable
     return types.FunctionType(code, namespace, entry.__name__)

@@ -176,7 +176,8 @@ def build_report(
         # Copies first: a background compile may be adding to them.
         fallbacks = tuple(backend.fallbacks)
         phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
-        for piece, size, outcome, _ in list(backend.outcomes):
+        for obtained in list(backend.obtained):
+            piece, size, outcome = obtained.piece, obtained.size, obtained.outcome
             runner = backend.runners.get(piece)
             served = dict(runner.served()) if runner is not None else {}
             record = outcome.record
@@ -214,7 +215,7 @@ def build_report(
         compiled_pieces=sum(not r.is_splitting for r in records),
         counters=counters,
         cache_entry=str(entry.path) if entry is not None else None,
-        whole_model_artifact=backend.artifact_status if backend is not None else "not used in this mode",
+        whole_model_artifact=str(backend.artifact_fate) if backend is not None else "not used in this mode",
         total_seconds=total_seconds,
         background=backend.background.status if backend is not None else "none",
         all_sizes_ready_seconds=_all_ready(backend, total_seconds),
@@ -247,9 +248,10 @@ def timeline(traces: Iterable[tuple[str, float, float]], backends: Iterable[Any]
         Span(name, "", "traced", start - zero, start - zero + seconds) for name, start, seconds in traces
     ]
     for backend in backends:
-        for piece, size, outcome, at in list(backend.outcomes):
+        for got in list(backend.obtained):
+            end = got.at - zero
             spans.append(
-                Span(size_label(size), piece, outcome.source, at - zero - outcome.seconds, at - zero)
+                Span(size_label(got.size), got.piece, got.outcome.source, end - got.outcome.seconds, end)
             )
     return tuple(sorted(spans, key=lambda s: (s.start, s.end)))
 

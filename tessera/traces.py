@@ -33,6 +33,8 @@ import torch
 from tessera import _compat, call_args, call_check, call_shapes, counters, warm
 from tessera.backend import PiecewiseBackend
 from tessera.build import GraphReceiver
+from tessera.cache.artifact import ArtifactFate, ArtifactState
+from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
@@ -107,23 +109,21 @@ class Traces:
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
 
     # -- making entries ---------------------------------------------------------------------
-    def load_saved(self) -> None:
-        """Add every trace an earlier process saved for this fingerprint that loads here."""
+    def load_saved(self) -> OtherPath | None:
+        """Add every trace an earlier process saved for this fingerprint that loads here; the path
+        an earlier process recorded the model to run on instead, if one did (graph breaks)."""
         context = self.context
         if context.root is None or context.fingerprint is None:
-            return
-        saved, refused = warm.load(
-            self.config,
-            context.root,
-            context.prefix,
-            context.fingerprint,
-            self.model.traced_fn,
+            return None
+        found = warm.load(
+            self.config, context.root, context.prefix, context.fingerprint, self.model.traced_fn
         )
-        self.warm_refused = refused
-        for trace in saved:
+        self.warm_refused = found.refused
+        for trace in found.traces:
             fast = functools.partial(trace.call, self.model.target)
             self.held.append(self._entry(trace.spec, fast, trace.backend, trace.reason, loaded=True))
         self.plan = merged_plans(self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint)))
+        return found.other_path
 
     def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first call: served by a saved trace that covers it, else by a new trace."""
@@ -304,7 +304,7 @@ class Traces:
             return trace.output
         backend.background.start(functools.partial(self._save, entry))
         if not backend.background.ready.is_set():
-            backend.artifact_status = "to be written once every size is compiled"
+            backend.artifact_fate = ArtifactFate(ArtifactState.PENDING)
         return trace.output
 
     def _save(self, entry: TraceEntry) -> None:

@@ -24,17 +24,18 @@ import torch
 from tessera import counters
 from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact, pointer
-from tessera.cache.artifact import ModelArtifact
-from tessera.cache.entry import CacheEntry, EntryUnusable, warn_write_failed
+from tessera.cache.artifact import ArtifactFate, ArtifactState, ModelArtifact
+from tessera.cache.entry import CacheEntry, warn_write_failed
 from tessera.cache.fleet import publish
-from tessera.cache.pointer import WarmStartUnavailable
+from tessera.cache.pointer import OtherPath
+from tessera.cache.refusal import Refused
 from tessera.cache.remote import RemoteTier
 from tessera.call_check import CallSpec
 from tessera.compilers import Compiler, loads_without_graph, make_compiler
 from tessera.config import CompileConfig, size_label
 from tessera.errors import CompilerError, FallbackWarning
 from tessera.piece import PieceRunner
-from tessera.portable import NotPortable, PortableCode, capture_code, rebuild_call
+from tessera.portable import capture_code, rebuild_call
 from tessera.split import SplitItem
 
 log = logging.getLogger(__name__)
@@ -50,52 +51,70 @@ class SavedTrace:
     reason: str  # why the process that made it traced it
 
 
+@dataclass(frozen=True)
+class WarmLoad:
+    """What ``load`` found: the traces that rebuilt here, why the last one that did not was
+    refused (None: all did, or there were none), and the path an earlier process recorded the
+    model to run on instead (None: the traced path)."""
+
+    traces: tuple[SavedTrace, ...] = ()
+    refused: str | None = None
+    other_path: OtherPath | None = None
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """One entry's whole-model artifact rebuilt: its backend, and for each trace key it holds
+    that binds here, the traced frame's callable and what the trace assumed of a call."""
+
+    backend: PiecewiseBackend
+    calls: dict[str, tuple[Callable[..., Any], CallSpec]]
+
+
 def load(
     config: CompileConfig,
     root: Path,
     prefix: str,
     fingerprint: str,
     traced_fn: types.FunctionType,
-) -> tuple[list[SavedTrace], str | None]:
-    """Every saved trace of ``fingerprint`` that rebuilds here, and why the last one that did not
-    was refused (None: all did, or there were none). Raises OtherPath for a model recorded to run
-    on the guarded path, and CompilerError for a compiler whose loader fails on a sound file."""
-    try:
-        listed = pointer.read_entries(root, fingerprint)
-    except pointer.OtherPath:
-        raise
-    except WarmStartUnavailable as e:
+) -> WarmLoad:
+    """Every saved trace of ``fingerprint`` that rebuilds here, or why none did. A compiler whose
+    loader fails on a sound file raises CompilerError (tracing again would not cure it)."""
+    listed = pointer.read_entries(root, fingerprint)
+    if isinstance(listed, OtherPath):
+        return WarmLoad(refused=str(listed), other_path=listed)
+    if isinstance(listed, Refused):
         counters.bump("warm_start_fallbacks")
-        return [], str(e)
+        return WarmLoad(refused=listed.reason)
     learnt = pointer.read_learnt(root, fingerprint)
     saved: list[SavedTrace] = []
     refused = None if listed else "no whole-model artifact for this model yet"
     # Traces of one graph share an entry (and its pieces): each entry is rebuilt once.
     by_entry: dict[Path, list[tuple[str, str]]] = {}
-    for entry_path, reason, key in listed:
-        by_entry.setdefault(entry_path, []).append((key, reason))
+    for trace in listed:
+        by_entry.setdefault(trace.entry, []).append((trace.model_sha, trace.reason))
     for entry_path, traces in by_entry.items():
-        try:
-            backend, calls = rebuild(
-                config,
-                make_compiler(config.backend),  # one per entry: a compiler writes into one entry
-                root,
-                prefix,
-                entry_path,
-                traced_fn,
-                [key for key, _ in traces],
-                learnt.get(entry_path, ()),
-            )
-        except WarmStartUnavailable as e:
+        rebuilt = rebuild(
+            config,
+            make_compiler(config.backend),  # one per entry: a compiler writes into one entry
+            root,
+            prefix,
+            entry_path,
+            traced_fn,
+            [key for key, _ in traces],
+            learnt.get(entry_path, ()),
+        )
+        if isinstance(rebuilt, Refused):
             counters.bump("warm_start_fallbacks")
-            refused = str(e)
-            log.info("%s: a saved trace does not load (%s)", prefix, e)
+            refused = rebuilt.reason
+            log.info("%s: a saved trace does not load (%s)", prefix, rebuilt)
             continue
+        calls = rebuilt.calls
         for key, reason in traces:
             if key in calls or (not key and len(calls) == 1):
                 call, spec = calls[key] if key in calls else next(iter(calls.values()))
-                saved.append(SavedTrace(backend, call, spec, reason))
-    return saved, refused
+                saved.append(SavedTrace(rebuilt.backend, call, spec, reason))
+    return WarmLoad(tuple(saved), refused)
 
 
 def save(
@@ -154,29 +173,30 @@ def rebuild(
     traced_fn: types.FunctionType,
     keys: Sequence[str],
     learnt: Sequence[int] = (),
-) -> tuple[PiecewiseBackend, dict[str, tuple[Callable[..., Any], CallSpec]]]:
-    """A complete backend rebuilt from the whole-model artifact in ``entry_path``, and for
-    each of the traces ``keys`` names that it holds and that binds here, the traced frame's
-    callable and what the trace assumed of a call. ``learnt``: the sizes an earlier process
-    learnt from traffic, loaded where the entry holds them.
-
-    Raises WarmStartUnavailable (the reason) without side effects on any other backend. A
-    compiler whose ``load`` fails on a sound file raises ``CompilerError`` (see
-    artifact_cache.py): tracing again would not cure it.
+) -> Rebuilt | Refused:
+    """A complete backend rebuilt from the whole-model artifact in ``entry_path``, with the traces
+    ``keys`` names that it holds and that bind here; or why not, without side effects on any
+    other backend. ``learnt``: the sizes an earlier process learnt from traffic, loaded where the
+    entry holds them. A compiler whose ``load`` fails on a sound file raises ``CompilerError``
+    (see artifact_cache.py): tracing again would not cure it.
     """
     start = time.perf_counter()
-    try:
-        entry = CacheEntry.open_existing(entry_path)
-        data = entry.read_model()
-    except EntryUnusable as e:
-        raise WarmStartUnavailable(f"entry {entry_path} is not usable: {e}") from e
+    entry = CacheEntry.open_existing(entry_path)
+    data = entry if isinstance(entry, Refused) else entry.read_model()
+    if isinstance(data, Refused):
+        return Refused(f"entry {entry_path} is not usable: {data}")
+    assert isinstance(entry, CacheEntry)
     read = time.perf_counter()
     saved = model_artifact.loads(data)
+    if isinstance(saved, Refused):
+        return saved
     variants = [v for v in saved.variants if v.key in keys or not any(keys)]
     if not variants:
-        raise WarmStartUnavailable(f"entry {entry_path} no longer holds the trace its pointer names")
+        return Refused(f"entry {entry_path} no longer holds the trace its pointer names")
     for variant in variants:
-        model_artifact.check_binds(variant)
+        unbound = model_artifact.check_binds(variant)
+        if unbound is not None:
+            return unbound
     backend = PiecewiseBackend(
         config,
         compiler,
@@ -186,30 +206,35 @@ def rebuild(
         sources=saved.sources,
         phases={"read_and_verify": read - start, "unpickle": time.perf_counter() - read},
     )
-    backend.artifact_status = "loaded"
+    backend.artifact_fate = ArtifactFate(ArtifactState.LOADED)
     try:
         forward = _install_saved(backend, saved, learnt)
-        calls = {}
+        if isinstance(forward, Refused):
+            return forward
+        calls: dict[str, tuple[Callable[..., Any], CallSpec]] = {}
         for variant in variants:
-            calls[variant.key] = (rebuild_call(variant.code, traced_fn, forward), variant.call_spec)
-    except (WarmStartUnavailable, CompilerError):  # an expected reason, or a loader's failure
+            call = rebuild_call(variant.code, traced_fn, forward)
+            if isinstance(call, Refused):
+                return call
+            calls[variant.key] = (call, variant.call_spec)
+    except CompilerError:  # a loader's failure: not cured by a trace
         raise
     except Exception as e:  # whatever else stops the rebuild costs one trace, never the process
         reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
         _warn_bug_once(reason, entry_path)
-        raise WarmStartUnavailable(reason) from e
+        return Refused(reason)
     backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
     counters.bump("pieces", len(backend.order))
     counters.bump("compiled_pieces", len(saved.pieces))
     backend.background.ready.set()  # every size was in the artifact
-    return backend, calls
+    return Rebuilt(backend, calls)
 
 
 def _install_saved(
     backend: PiecewiseBackend, saved: ModelArtifact, learnt: Sequence[int] = ()
-) -> Callable[..., Any]:
+) -> Callable[..., Any] | Refused:
     """Runners, splitting pieces and the split module's forward from a whole-model artifact
-    (and the ``learnt`` sizes it holds artifacts for)."""
+    (and the ``learnt`` sizes it holds artifacts for); or why a piece does not load."""
     start = time.perf_counter()
     graphs = {content: blob for content, blob in saved.graphs}
     graph_of = dict(saved.piece_graphs)
@@ -222,26 +247,26 @@ def _install_saved(
         if needs_graph:
             content = graph_of.get(record.name)
             if content is None:
-                raise WarmStartUnavailable(f"{record.name}: its graph was not saved")
+                return Refused(f"{record.name}: its graph was not saved")
             if content not in unpickled:  # identical pieces share one graph
                 unpickled[content] = model_artifact.load_graph(graphs[content])
             graph = unpickled[content]
         artifacts = {}
         for size in (None, *record.sizes, *record.ranges):
             outcome = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
-            if isinstance(outcome, str):
-                raise WarmStartUnavailable(f"{record.name} ({size_label(size)}): {outcome}")
+            if isinstance(outcome, Refused):
+                return Refused(f"{record.name} ({size_label(size)}): {outcome}")
             artifacts[size] = outcome.fn
-            backend.outcomes.append((record.name, size, outcome, time.time()))
+            backend.note_obtained(record.name, size, outcome)
         for size in learnt if record.size_source is not None else ():
             if size in artifacts or (backend.config.max_size is not None and size > backend.config.max_size):
                 continue
             found = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
-            if isinstance(found, str):  # not in this entry (yet): the general artifact serves it
+            if isinstance(found, Refused):  # not in this entry (yet): the general artifact serves it
                 log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
                 continue
             artifacts[size] = found.fn
-            backend.outcomes.append((record.name, size, found, time.time()))
+            backend.note_obtained(record.name, size, found)
             loaded_learnt.add(size)
         attributes[record.name] = backend.install_runner(
             record, PieceRunner(record.name, artifacts, record.size_source, backend.config.max_size)
@@ -288,11 +313,15 @@ def save_artifact(
     start = time.perf_counter()
     unsaved = [i.name for i in backend.items if not i.is_splitting and not _saved(backend, i)]
     if unsaved:
-        backend.artifact_status = f"not written: {unsaved} were not saved by compiler {backend.compiler.name}"
-        log.info("no whole-model artifact: %s", backend.artifact_status)
+        backend.artifact_fate = _not_written(f"{unsaved} were not saved by compiler {backend.compiler.name}")
+        log.info("no whole-model artifact: %s", backend.artifact_fate)
+        return False
+    portable = capture_code(code, traced_fn)
+    if isinstance(portable, Refused):
+        backend.artifact_fate = _not_written(portable.reason)
+        log.info("no whole-model artifact (the next process traces again): %s", portable)
         return False
     try:
-        portable: PortableCode = capture_code(code, traced_fn)
         saved: ModelArtifact = model_artifact.make(
             portable,
             split_gm,
@@ -303,8 +332,8 @@ def save_artifact(
             None if loads_without_graph(backend.compiler) else backend.contents,
             spec,
         )
-    except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as e:
-        backend.artifact_status = f"not written: {e}"
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        backend.artifact_fate = _not_written(str(e))
         log.info("no whole-model artifact (the next process traces again): %s", e)
         return False
     try:
@@ -314,23 +343,23 @@ def save_artifact(
             blob = model_artifact.dumps(saved)
             entry.write_model(blob)
     except OSError as e:  # the model runs; the next process traces again
-        backend.artifact_status = f"not written: {e.strerror}"
+        backend.artifact_fate = _not_written(str(e.strerror))
         warn_write_failed(entry.path, e)
         return False
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         # What the call check compares against includes a value that cannot be saved (a class
         # defined inside a function): this process runs; the next one traces again.
-        backend.artifact_status = f"not written: the call check holds a value that cannot be saved ({e})"
+        backend.artifact_fate = _not_written(f"the call check holds a value that cannot be saved ({e})")
         log.info("no whole-model artifact (the next process traces again): %s", e)
         return False
     try:
         key = saved.variants[-1].key
         pointer.write_pointer(backend.cache_root, fingerprint, entry.path, reason, key)
     except OSError as e:  # the model runs; the next process traces again
-        backend.artifact_status = f"not written: {e.strerror}"
+        backend.artifact_fate = _not_written(str(e.strerror))
         warn_write_failed(entry.path, e)
         return False
-    backend.artifact_status = "written"
+    backend.artifact_fate = ArtifactFate(ArtifactState.WRITTEN)
     backend.phases["whole_model_artifact"] = time.perf_counter() - start
     return True
 
@@ -348,10 +377,13 @@ def _saved(backend: PiecewiseBackend, item: SplitItem) -> bool:
 
 def _saved_artifact(entry: CacheEntry) -> ModelArtifact | None:
     """The whole-model artifact the entry holds now, if it loads."""
-    try:
-        return model_artifact.loads(entry.read_model())
-    except (EntryUnusable, WarmStartUnavailable):
-        return None
+    data = entry.read_model()
+    loaded = data if isinstance(data, Refused) else model_artifact.loads(data)
+    return None if isinstance(loaded, Refused) else loaded
+
+
+def _not_written(reason: str) -> ArtifactFate:
+    return ArtifactFate(ArtifactState.NOT_WRITTEN, reason)
 
 
 _WARNED_BUGS: set[str] = set()  # rebuild failures already warned about by this process

@@ -62,7 +62,7 @@ def test_an_entry_has_one_key_whether_created_or_opened_warm():
         entry.parents[2], entry.name, factors, (entry / "computation_graph.py").read_text(), []
     )
     opened = CacheEntry.open_existing(entry)
-    assert created is not None
+    assert created is not None and isinstance(opened, CacheEntry)
     assert len(created.key) == 64 and opened.key == created.key
     assert opened.key_record == created.key_record == KeyRecord.of("entry", factors)
     assert entry.parents[1].name == created.key[:10]

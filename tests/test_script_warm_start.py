@@ -8,6 +8,7 @@ traces, the next starts warm, tracing nothing, with eager's numbers at sizes the
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -20,8 +21,8 @@ import torch
 import tessera
 from tessera import portable
 from tessera.cache import artifact
-from tessera.cache.artifact import WarmStartUnavailable
 from tessera.cache.entry import CacheEntry
+from tessera.cache.refusal import Refused
 from tests.child import child_env
 
 SCRIPT = '''
@@ -220,16 +221,21 @@ def test_a_name_of_main_the_warm_process_lacks_refuses_the_artifact(tmp_path, mo
     compiled = tessera.compile(script.scaled, backend="eager")
     x = torch.randn(5, 4)
     torch.testing.assert_close(compiled(x), script.scaled(x))
-    data = CacheEntry.open_existing(compiled.cache_dir).read_model()
+    entry = CacheEntry.open_existing(compiled.cache_dir)
+    assert isinstance(entry, CacheEntry)
+    data = entry.read_model()
+    assert isinstance(data, bytes)
     saved = artifact.loads(data)
+    assert isinstance(saved, artifact.ModelArtifact)
     (variant,) = saved.variants
     assert ("__import___main__", "__main__") in variant.code.modules
     assert dict(variant.code.reads)["__import___main__"] == ("SCALE", "SHIFT")
     other = types.ModuleType("__main__")  # the warm process runs another script, without SHIFT
     other.SCALE = script.SCALE
     monkeypatch.setitem(sys.modules, "__main__", other)
-    with pytest.raises(WarmStartUnavailable, match=r"reads __main__\.SHIFT, which is not defined here"):
-        artifact.check_binds(artifact.loads(data).variants[0])
+    refused = artifact.check_binds(saved.variants[0])
+    assert isinstance(refused, Refused)
+    assert re.search(r"reads __main__\.SHIFT, which is not defined here", refused.reason)
     monkeypatch.setitem(sys.modules, "__main__", script)
     tessera.counters.reset()
     warm = tessera.compile(script.scaled, backend="eager")
@@ -244,5 +250,5 @@ def test_a_namespace_dict_in_the_bytecode_is_not_saved_as_a_copy():
     code = compile("def f():\n    return ___unnamed_scope_1_c0['y']\n", "<test>", "exec")
     exec(code, namespace)
     namespace["___unnamed_scope_1_c0"] = {"y": 1}
-    with pytest.raises(portable.NotPortable, match="namespace"):
-        portable.capture_code(namespace["f"].__code__, namespace["f"])
+    refused = portable.capture_code(namespace["f"].__code__, namespace["f"])
+    assert isinstance(refused, Refused) and "namespace" in refused.reason

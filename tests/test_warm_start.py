@@ -98,7 +98,12 @@ def test_identical_attention_layers_are_one_source_in_the_whole_model_artifact()
 
     model = toy_llama.build(num_layers=4)
     cold = _compile_and_check(model)
-    saved = artifact.loads(CacheEntry.open_existing(cold.cache_dir).read_model())
+    entry = CacheEntry.open_existing(cold.cache_dir)
+    assert isinstance(entry, CacheEntry)
+    data = entry.read_model()
+    assert isinstance(data, bytes)
+    saved = artifact.loads(data)
+    assert isinstance(saved, artifact.ModelArtifact)
     assert len(saved.modules) == 4  # one splitting piece per layer, built from one source
     assert len({module.source for _, module in saved.modules}) == 1
     assert all(module.code is not None for _, module in saved.modules)

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from tessera.cache import liveness, trust
 from tessera.cache.entry import atomic_write
 from tessera.cache.liveness import INUSE, WRITERS
-from tessera.cache.pointer import WARM_DIR, WarmStartUnavailable, read_entries, write_pointer
+from tessera.cache.pointer import WARM_DIR, read_entries, write_pointer
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheError
 
@@ -87,15 +87,15 @@ def import_(root: Path, archive: Path) -> int:
                     imported += 1
             for pointer in sorted((staging / WARM_DIR).glob("*.json")):
                 # Each trace added to the model's pointer here (one this root has is kept).
-                try:
-                    listed = read_entries(staging, pointer.stem)
-                except WarmStartUnavailable:  # a model's path (graph breaks): copied as it is
+                listed = read_entries(staging, pointer.stem)
+                if not isinstance(listed, tuple):  # a model's path (graph breaks): copied as it is
                     destination = root / WARM_DIR / pointer.name
                     if not destination.exists():
                         atomic_write(destination, pointer.read_bytes())
                     continue
-                for path, reason, key in listed:
-                    write_pointer(root, pointer.stem, root / path.relative_to(staging), reason, key)
+                for trace in listed:
+                    path = root / trace.entry.relative_to(staging)
+                    write_pointer(root, pointer.stem, path, trace.reason, trace.model_sha)
     return imported
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import hashlib
 import importlib.util
 import io
@@ -39,11 +40,11 @@ from tessera import _compat
 from tessera._compat import op_schema_name, overload_of, packet_name
 from tessera.cache.entry import MODEL, sha256_file
 from tessera.cache.key import SourceFile
-from tessera.cache.pointer import WarmStartUnavailable
+from tessera.cache.refusal import Refused
 from tessera.call_check import CallSpec
 from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
-from tessera.portable import NotPortable, PortableCode, resolve_globals
+from tessera.portable import PortableCode, resolve_globals
 
 # 9: one artifact holds every trace of one graph (variants); 8: PortableCode binds every global
 # Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
@@ -233,6 +234,27 @@ class Variant:
         return cls(hashlib.sha256(_dumps((code, call_spec))).hexdigest()[:20], code, call_spec)
 
 
+class ArtifactState(enum.Enum):
+    """Where a trace's whole-model artifact stands."""
+
+    OFF = "not written (cache disabled)"
+    PENDING = "to be written once every size is compiled"
+    WRITTEN = "written"
+    LOADED = "loaded"
+    NOT_WRITTEN = "not written"
+
+
+@dataclass(frozen=True)
+class ArtifactFate:
+    """A trace's whole-model artifact: where it stands, and why it was not written."""
+
+    state: ArtifactState
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.state.value}: {self.reason}" if self.reason else self.state.value
+
+
 @dataclass(frozen=True)
 class ModelArtifact:
     """Everything but the piece artifacts, which stay content-addressed in the entry."""
@@ -300,28 +322,30 @@ def dumps(artifact: ModelArtifact) -> bytes:
     return _dumps(artifact)
 
 
-def loads(data: bytes) -> ModelArtifact:
-    """Unpickle an artifact (its checksum was verified by the caller) and check it fits here."""
+def loads(data: bytes) -> ModelArtifact | Refused:
+    """Unpickle an artifact (its checksum was verified by the caller) and check it fits here; or
+    why it does not."""
     try:
         artifact = pickle.loads(data)
     except Exception as e:
-        raise WarmStartUnavailable(f"{MODEL} does not load ({type(e).__name__}: {e})") from e
+        return Refused(f"{MODEL} does not load ({type(e).__name__}: {e})")
     if not isinstance(artifact, ModelArtifact) or artifact.format != FORMAT:
-        raise WarmStartUnavailable(f"{MODEL} has another format")
+        return Refused(f"{MODEL} has another format")
     if artifact.python != platform.python_version():
-        raise WarmStartUnavailable(f"the artifact's bytecode is for Python {artifact.python}")
+        return Refused(f"the artifact's bytecode is for Python {artifact.python}")
     for source in artifact.sources:
         try:
             if sha256_file(Path(source.path)) != source.sha256:
-                raise WarmStartUnavailable(f"{source.path} changed since the artifact was made")
-        except OSError as e:
-            raise WarmStartUnavailable(f"{source.path} is not readable") from e
+                return Refused(f"{source.path} changed since the artifact was made")
+        except OSError:
+            return Refused(f"{source.path} is not readable")
     return artifact
 
 
-def check_binds(variant: Variant) -> None:
-    """WarmStartUnavailable unless the variant's bytecode binds its globals in this process."""
-    try:
-        resolve_globals(variant.code)  # bound again by the rebuild; checked before any kernel loads
-    except NotPortable as e:  # a name of the user's script this process does not define
-        raise WarmStartUnavailable(f"Dynamo's bytecode does not bind here: {e}") from e
+def check_binds(variant: Variant) -> Refused | None:
+    """Why the variant's bytecode does not bind its globals in this process (None: it does).
+    Bound again by the rebuild; checked before any kernel loads."""
+    bound = resolve_globals(variant.code)
+    if isinstance(bound, Refused):  # a name of the user's script this process does not define
+        return Refused(f"Dynamo's bytecode does not bind here: {bound}")
+    return None

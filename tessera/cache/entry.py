@@ -28,6 +28,7 @@ import platformdirs
 from tessera.cache import index as index_, liveness, trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, entry_key
+from tessera.cache.refusal import Refused
 from tessera.errors import CacheWarning
 
 log = logging.getLogger(__name__)
@@ -176,28 +177,28 @@ class CacheEntry:
         return entry
 
     @classmethod
-    def open_existing(cls, path: Path) -> CacheEntry:
+    def open_existing(cls, path: Path) -> CacheEntry | Refused:
         """Open an entry for a start without Dynamo; every file it vouches for is verified.
 
-        Raises ``EntryUnusable`` (after reporting damage) when it cannot be trusted.
+        ``Refused`` (after reporting damage) when it cannot be trusted.
         """
         if not path.is_dir():
-            raise EntryUnusable("it was removed")  # pruned or cleared: a plain miss
+            return Refused("it was removed")  # pruned or cleared: a plain miss
         untrusted = trust.chain_problem(path.parents[2], path) or _file_problem(path / MODEL)
         if untrusted is not None:
             trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
-            raise EntryUnusable(f"{untrusted[0]} is {untrusted[1]}")
+            return Refused(f"{untrusted[0]} is {untrusted[1]}")
         entry = cls(path, {}, path.parent.parent.name)  # keyed once its files are verified
         # Marked before anything is read: from here on no pruner removes a file we verify or load.
         if not entry._mark_in_use(wait=False):
-            raise EntryUnusable("it was removed, or cache prune or clear is removing it")  # a plain miss
+            return Refused("it was removed, or cache prune or clear is removing it")  # a plain miss
         entry.existed = True
         problem = entry._load_index()
         if problem is not None:
             entry.report_damage(INDEX, problem)
-            raise EntryUnusable(f"its index is {problem}")
+            return Refused(f"its index is {problem}")
         if not {FACTORS, GRAPH} <= set(entry.index.files):
-            raise EntryUnusable("it was not finished by the process that made it")
+            return Refused("it was not finished by the process that made it")
         for name, sha in sorted(entry.index.files.items()):
             try:
                 actual: str | None = sha256_file(path / name)
@@ -206,14 +207,14 @@ class CacheEntry:
             if actual != sha:
                 problem = "missing" if actual is None else "content does not match its key"
                 entry.report_damage(name, problem)
-                raise EntryUnusable(f"{name} is {problem}")
+                return Refused(f"{name} is {problem}")
         try:
             factors = json.loads((path / FACTORS).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise EntryUnusable(f"{FACTORS} is unreadable ({type(e).__name__})") from e
+            return Refused(f"{FACTORS} is unreadable ({type(e).__name__})")
         key = entry_key(factors) if isinstance(factors, dict) else None
         if key is None or key.digest[:10] != path.parent.parent.name:
-            raise EntryUnusable(f"{FACTORS} does not hash to the key it is filed under")
+            return Refused(f"{FACTORS} does not hash to the key it is filed under")
         entry.key_record, entry.key = key, key.digest
         return entry
 
@@ -392,12 +393,12 @@ class CacheEntry:
             atomic_write(self.path / MODEL, data)
             self.index.model = FileRecord(MODEL, hashlib.sha256(data).hexdigest(), len(data))
 
-    def read_model(self) -> bytes:
-        """The whole-model artifact's bytes, verified; ``EntryUnusable`` (reported) if damaged."""
+    def read_model(self) -> bytes | Refused:
+        """The whole-model artifact's bytes, verified; ``Refused`` (reported) if damaged."""
         for attempt in range(2):
             record = self.index.model
             if record is None:
-                raise EntryUnusable("it holds no whole-model artifact")
+                return Refused("it holds no whole-model artifact")
             try:
                 data = (self.path / MODEL).read_bytes()
             except FileNotFoundError:
@@ -411,7 +412,7 @@ class CacheEntry:
                     self._load_index()
         problem = "missing" if data is None else "content does not match its key"
         self.report_damage(MODEL, problem)
-        raise EntryUnusable(f"{MODEL} is {problem}")
+        return Refused(f"{MODEL} is {problem}")
 
     def report_damage(self, name: str, problem: str) -> None:
         """Warn once per file per process; the caller rebuilds what the file held."""
@@ -430,7 +431,3 @@ def _file_problem(path: Path) -> tuple[Path, str] | None:
 def warn_write_failed(path: Path, error: OSError) -> None:
     """One CacheWarning per entry and cause: the model keeps running on what is in memory."""
     trust.warn_once(path, _cause(error), "the model runs without that part of the cache")
-
-
-class EntryUnusable(Exception):
-    """An existing entry cannot be used for a start without Dynamo (the reason is the message)."""

@@ -7,16 +7,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tessera.cache.entry import atomic_write, report_damage
+from tessera.cache.refusal import Refused
 
 WARM_DIR = "warm"
 
 
-class WarmStartUnavailable(Exception):
-    """The Dynamo-free path cannot be used this time (the reason); the caller traces instead."""
+@dataclass(frozen=True)
+class ListedTrace:
+    """One trace a fingerprint leads to."""
+
+    entry: Path  # the cache entry that holds it
+    reason: str  # why the process that made it traced it
+    model_sha: str  # its whole-model artifact's sha256 ("" for pointers written before it was kept)
+
+
+@dataclass(frozen=True)
+class OtherPath:
+    """This fingerprint's model runs on a path without a whole-model artifact: ``"guarded"``
+    (graph breaks). Recorded so that the next process goes there at once instead of failing the
+    one-graph trace again."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"the model runs on the {self.path} path: {self.reason}"
 
 
 def pointer_path(root: Path, fingerprint: str) -> Path:
@@ -39,10 +59,9 @@ def write_pointer(
     relative = entry_path.relative_to(root).as_posix()
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
-        try:
-            entries = [e for e in _read_entries(path) if (e["entry"], e["model"]) != (relative, model_sha)]
-        except (WarmStartUnavailable, OtherPath):
-            entries = []
+        found = _read_entries(path)
+        entries = [] if isinstance(found, (Refused, OtherPath)) else found
+        entries = [e for e in entries if (e["entry"], e["model"]) != (relative, model_sha)]
         entries.append({"entry": relative, "reason": reason, "model": model_sha})
         old = _read_body(path)
         body: dict[str, Any] = {"entries": entries[-MAX_POINTER_ENTRIES:]}
@@ -138,17 +157,6 @@ def _learnt_of(body: dict[str, Any]) -> dict[str, list[int]]:
     }
 
 
-class OtherPath(WarmStartUnavailable):
-    """This fingerprint's model runs on a path without a whole-model artifact: ``"guarded"``
-    (graph breaks). Recorded so that the next process goes there at once instead of failing the
-    one-graph trace again."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"the model runs on the {path} path: {reason}")
-        self.path = path
-        self.reason = reason
-
-
 PATHS = ("guarded",)
 
 
@@ -157,11 +165,11 @@ def write_path(root: Path, fingerprint: str, path: str, reason: str) -> None:
     atomic_write(pointer_path(root, fingerprint), json.dumps({"path": path, "reason": reason}).encode())
 
 
-def _read_entries(path: Path) -> list[dict[str, str]]:
+def _read_entries(path: Path) -> list[dict[str, str]] | Refused | OtherPath:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(data, dict) and data.get("path") in PATHS:
-            raise OtherPath(data["path"], str(data.get("reason", "")))
+            return OtherPath(data["path"], str(data.get("reason", "")))
         if "entries" in data:
             entries = [
                 {
@@ -176,27 +184,30 @@ def _read_entries(path: Path) -> list[dict[str, str]]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as e:  # unreadable root: creating the entry will say so, once
-        raise WarmStartUnavailable(f"{path} is not readable ({e.strerror})") from e
+        return Refused(f"{path} is not readable ({e.strerror})")
     except (ValueError, KeyError, TypeError) as e:
         report_damage(path, f"unreadable ({type(e).__name__})")
-        raise WarmStartUnavailable(f"{path} is unreadable") from e
+        return Refused(f"{path} is unreadable")
     return entries
 
 
-def read_entries(root: Path, fingerprint: str) -> list[tuple[Path, str, str]]:
-    """Every trace a fingerprint leads to (entry path, why it was made, its whole-model artifact's
-    sha256 or ""), oldest first; raises OtherPath for a model recorded to run on another path."""
+def read_entries(root: Path, fingerprint: str) -> tuple[ListedTrace, ...] | Refused | OtherPath:
+    """Every trace a fingerprint leads to, oldest first; or why the pointer cannot be used; or the
+    path a model recorded to run on another path runs on."""
     path = pointer_path(root, fingerprint)
+    found = _read_entries(path)
+    if isinstance(found, (Refused, OtherPath)):
+        return found
     out = []
-    for item in _read_entries(path):
+    for item in found:
         relative = Path(item["entry"])
         if relative.is_absolute() or ".." in relative.parts:
-            raise WarmStartUnavailable(f"{path} points outside the cache")
-        out.append((root / relative, item["reason"], item["model"]))
-    return out
+            return Refused(f"{path} points outside the cache")
+        out.append(ListedTrace(root / relative, item["reason"], item["model"]))
+    return tuple(out)
 
 
 def read_pointer(root: Path, fingerprint: str) -> Path | None:
-    """The first trace's entry a fingerprint leads to; None if there is none."""
-    entries = read_entries(root, fingerprint)
-    return entries[0][0] if entries else None
+    """The first trace's entry a fingerprint leads to; None if there is none (or it is unusable)."""
+    found = read_entries(root, fingerprint)
+    return found[0].entry if isinstance(found, tuple) and found else None
