@@ -220,7 +220,7 @@ class CompiledModel:
     @property
     def pieces(self) -> tuple[PieceRecord, ...]:
         """One frozen record per piece of the first trace (empty before it, and without pieces)."""
-        return () if self._backend is None else self._backend.pieces()
+        return () if self._backend is None else self._backend.records()
 
     @property
     def cache_dir(self) -> Path | None:
@@ -272,7 +272,7 @@ class CompiledModel:
     @property
     def runners(self) -> dict[str, Any]:
         """Compiled piece name -> its runner (what the split module calls for it)."""
-        return dict(self._backend.runners) if self._backend is not None else {}
+        return self._backend.pieces.runners() if self._backend is not None else {}
 
     @property
     def trace_code(self) -> types.CodeType | None:

@@ -36,10 +36,9 @@ from tessera.compilers import (
     ShowsOutputCode,
 )
 from tessera.config import CompileConfig, Size, size_label
-from tessera.cudagraph import CUDAGraphBackend, CUDAGraphPiece, cuda_graphs_available, resolve_capture_sizes
 from tessera.debug.dumps import Dumps
-from tessera.layout import LayoutKeeper, OutputLayout
-from tessera.piece import PieceRecord, PieceRunner
+from tessera.piece import PieceRecord
+from tessera.pieces import Pieces
 from tessera.progress import CompileProgress
 from tessera.report import Fallback
 from tessera.schedule import Background
@@ -47,7 +46,6 @@ from tessera.size_learning import SizeLearning
 from tessera.split import SplitItem
 
 log = logging.getLogger(__name__)
-log_cudagraph = logging.getLogger("tessera.cudagraph")
 
 
 class PiecewiseBackend:
@@ -84,14 +82,9 @@ class PiecewiseBackend:
             compiler.use_machine_record(cache_root)
         self.artifact_cache = ArtifactCache(compiler, config, entry)
         self.sources: list[SourceFile] = list(sources)
-        self.items: list[SplitItem] = []  # trace path only
-        self.order: list[tuple[str, bool]] = []  # every piece in order: (name, is_splitting)
+        self.pieces = Pieces(config, compiler.name)  # every piece's record, runner and layout
         self.split_gm: torch.fx.GraphModule | None = None  # trace path only
         self.split_forward: Callable[..., Any] | None = None  # what the model's bytecode calls
-        self.layouts: dict[str, OutputLayout | None] = {}
-        self.records: dict[str, PieceRecord] = {}
-        self.runners: dict[str, PieceRunner] = {}
-        self.contents: dict[str, str] = {}  # compiled piece -> hash of its content
         # seconds per phase (split, compile, load_kernels, ...)
         self.phases: dict[str, float] = dict(phases) if phases is not None else {}
         self.obtained: list[Obtained] = []  # every artifact, in the order obtained
@@ -103,18 +96,8 @@ class PiecewiseBackend:
         # trace; a trace for one small size compiles at once (that size is the whole workload).
         self.serve_traced = serve_traced
         self.pool: CompilePool | None = None  # compile workers for this model's static sizes
-        # CUDA graphs: one backend (memory pool) for every piece and size of this model.
-        self.graph_backend = CUDAGraphBackend() if cuda_graphs_available(config.cudagraph_mode) else None
-        self.capture_sizes = resolve_capture_sizes(config.cudagraph_capture_sizes, config.max_size)
-        self.graph_pieces: list[CUDAGraphPiece] = []
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
         self.learning = SizeLearning(self)  # sizes learnt from traffic (size_learning.py)
-        if config.auto_sizes and config.cudagraph_capture_sizes is None:
-            # The learnt sizes are the capture sizes (with the listed ones): a call pads to the
-            # next of them, and runs without a graph above the largest.
-            self.capture_sizes = tuple(
-                s for s in config.sizes if config.max_size is None or s <= config.max_size
-            )
 
     def jobs_left(self) -> bool:
         """Whether artifacts of the trace's own sizes are still to compile (learning waits)."""
@@ -132,13 +115,14 @@ class PiecewiseBackend:
         self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
     ) -> None:
         """Swap one artifact compiled after its piece's general one into the piece's runner."""
-        self.runners[item.name].add(size, outcome.fn)
-        record = self.records[item.name]
-        self.records[item.name] = dataclasses.replace(
+        record = self.pieces[item.name].record
+        assert record is not None, "an artifact is added to a compiled piece"
+        record = dataclasses.replace(
             record,
             compile_seconds=(*record.compile_seconds, (size_label(size), outcome.seconds)),
             partitions=partitions_of(self.compiler, outcome.fn) if size is None else record.partitions,
         )
+        self.pieces.add_artifact(item.name, size, outcome.fn, record)
         self.note_obtained(item.name, size, outcome)
         self.record_stage(item, size, outcome)
         if progress is not None:
@@ -159,48 +143,9 @@ class PiecewiseBackend:
             )
             self.dumps.piece(item.name, size_label(size), code or item.graph.code)
 
-    # -- shared ------------------------------------------------------------------------------------
-    def layout_kept(
-        self, name: str, fn: Callable[..., Any], layout: OutputLayout | None
-    ) -> Callable[..., Any]:
-        """A splitting piece, through a LayoutKeeper when its outputs' layout matters (layout.py)."""
-        self.layouts[name] = layout
-        # The eager compiler runs pieces as Python: any layout is fine, so no copies, no checks.
-        if layout is not None and self.compiler.name != "eager":
-            return LayoutKeeper(fn, layout)
-        return fn
-
-    def install_runner(self, record: PieceRecord, runner: PieceRunner) -> Callable[..., Any]:
-        """What the split module calls for this piece: the runner, under CUDA graphs when enabled."""
-        self.runners[record.name] = runner
-        self.records[record.name] = record
-        if self.graph_backend is None or record.size_source is None or record.dynamic is None:
-            return runner
-        call = CUDAGraphPiece(
-            record.name,
-            runner,
-            record.size_source,
-            record.dynamic,
-            self.capture_sizes,
-            self.graph_backend,
-            first=not self.graph_pieces,
-            debug=log_cudagraph.isEnabledFor(logging.DEBUG),
-        )
-        self.graph_pieces.append(call)
-        self.records[record.name] = dataclasses.replace(record, cudagraph_sizes=self.capture_sizes)
-        return call
-
-    def pieces(self) -> tuple[PieceRecord, ...]:
+    def records(self) -> tuple[PieceRecord, ...]:
         """One record per piece, in order, with how many calls each artifact served."""
-        out = []
-        for index, (name, is_splitting) in enumerate(self.order):
-            record = self.records.get(name)
-            if record is None:
-                record = PieceRecord(name, index, is_splitting)
-            elif name in self.runners:
-                record = dataclasses.replace(record, served=self.runners[name].served())
-            out.append(record)
-        return tuple(out)
+        return self.pieces.records()
 
     @property
     def entry(self) -> CacheEntry | None:

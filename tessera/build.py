@@ -186,8 +186,8 @@ def _build_pieces(
     start: float,
 ) -> None:
     """Install a runner for every piece of the split module (from_trace's second half)."""
-    backend.split_gm, backend.items = split_gm, list(items)
-    backend.order = [(item.name, item.is_splitting) for item in items]
+    backend.split_gm = split_gm
+    backend.pieces.place(items)
     counters.bump("pieces", len(items))
     counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
     log.debug(
@@ -200,7 +200,7 @@ def _build_pieces(
         if item.is_splitting:
             # The split module calls backend.submod_N(...): an instance attribute shadows the
             # submodule, so calls go straight to ours while the GraphModule stays printable.
-            kept = backend.layout_kept(item.name, item.graph.forward, output_layout(item.graph))
+            kept = backend.pieces.layout_kept(item.name, item.graph.forward, output_layout(item.graph))
             split_gm.__dict__[item.name] = kept
     built = time.perf_counter()
     backend.phases["split"] = built - start
@@ -244,7 +244,7 @@ def _build_pieces(
         backend.background.ready.set()
     backend.learning.start()
     backend.phases["compile"] = time.perf_counter() - built
-    log.debug("built %d piece runner(s) in %.2fs", len(backend.runners), backend.phases["compile"])
+    log.debug("built %d piece runner(s) in %.2fs", len(backend.pieces.runners()), backend.phases["compile"])
     # forward, not __call__: skips nn.Module call machinery on every step.
     backend.split_forward = split_gm.forward
 
@@ -266,7 +266,7 @@ def _build(
     source = find_size_source(fake_args)
     sizes = _sizes(backend, fake_args)
     content = piece_content(item.graph, fake_args)
-    backend.contents[item.name] = content
+    backend.pieces[item.name].content = content
     now = sizes[:1] if general_only else sizes
     found = None
     if general_only and serves_traced(backend):
@@ -318,7 +318,7 @@ def _build(
     )
     runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
     runner.as_traced = item.graph.forward
-    split_gm.__dict__[item.name] = backend.install_runner(record, runner)
+    split_gm.__dict__[item.name] = backend.pieces.install_runner(record, runner)
 
 
 def serves_traced(backend: PiecewiseBackend) -> bool:
@@ -337,7 +337,7 @@ def serves_traced(backend: PiecewiseBackend) -> bool:
 def _background(backend: PiecewiseBackend) -> bool:
     """Whether sizes and ranges compile after the first output. Not with CUDA graphs (a
     captured graph holds the artifact it was captured with)."""
-    return backend.config.background_compile and backend.graph_backend is None
+    return backend.config.background_compile and backend.pieces.graph_pool is None
 
 
 def _compile_pool(backend: PiecewiseBackend, sized: bool) -> CompilePool | None:
@@ -348,7 +348,7 @@ def _compile_pool(backend: PiecewiseBackend, sized: bool) -> CompilePool | None:
     if (
         not sized
         or not compile_sizes(backend)
-        or backend.graph_backend is not None
+        or backend.pieces.graph_pool is not None
         or not isinstance(backend.compiler, CompilesInWorkers)
         or backend.artifact_cache.entry is None
     ):

@@ -1,7 +1,7 @@
 """CUDA graphs per compiled piece: warm up, capture into a shared pool, replay; pad sizes up.
 
 State per capture size is explicit (warm-up → captured → replay). The graph mechanics sit behind
-``GraphBackend`` so that padding and buffer logic run (and are tested) on machines without CUDA.
+``GraphPool`` so that padding and buffer logic run (and are tested) on machines without CUDA.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def padded_size(size: int, capture_sizes: Sequence[int]) -> int | None:
     return capture_sizes[at] if at < len(capture_sizes) else None
 
 
-class GraphBackend(Protocol):
+class GraphPool(Protocol):
     """Records ``fn(*static_args)`` once and replays it; CUDA in production, a stand-in in tests."""
 
     def capture(self, fn: Callable[[], Any], first: bool) -> tuple[Any, Any]:
@@ -48,7 +48,7 @@ class GraphBackend(Protocol):
     def replay(self, graph: Any) -> None: ...
 
 
-class CUDAGraphBackend:
+class CUDAGraphPool:
     """torch.cuda.CUDAGraph capture into one memory pool shared by every piece and size."""
 
     def __init__(self) -> None:
@@ -100,7 +100,7 @@ class CUDAGraphPiece:
         size_source: SizeSource,
         dynamic: DynamicInputs,
         capture_sizes: Sequence[int],
-        backend: GraphBackend,
+        pool: GraphPool,
         *,
         first: bool,
         debug: bool = False,
@@ -110,7 +110,7 @@ class CUDAGraphPiece:
         self.source = size_source
         self.dynamic = dynamic
         self.capture_sizes = tuple(sorted(capture_sizes))
-        self.backend = backend
+        self.pool = pool
         self.first = first
         self.debug = debug
         self.states: dict[int, _Captured] = {}
@@ -139,7 +139,7 @@ class CUDAGraphPiece:
                 return self.fn(*args)  # warm-up: also the real result of this call
             self._capture(state, padded, args)
         self._fill(state, args, size)
-        self.backend.replay(state.graph)
+        self.pool.replay(state.graph)
         if self.tally is not None:
             self.tally.seen(size, state.label)
         return self._slice(state.outputs, size, padded)
@@ -153,7 +153,7 @@ class CUDAGraphPiece:
         first = self.first and not any(s.graph is not None for s in self.states.values())
         artifact_for = getattr(self.fn, "artifact_for", None)
         state.label = f"{artifact_for(padded) if artifact_for else 'general'} (graph)"
-        state.graph, state.outputs = self.backend.capture(lambda: self.fn(*state.static_args), first)
+        state.graph, state.outputs = self.pool.capture(lambda: self.fn(*state.static_args), first)
         counters.bump("cudagraphs_captured")
         log.debug("%s: captured CUDA graph for size %d", self.name, padded)
 

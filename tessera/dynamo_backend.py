@@ -131,7 +131,7 @@ class GraphCompiler:
                 source=source,
                 graph_break=graph_break,
                 nodes=len(gm.graph.nodes),
-                pieces=len(backend.order),
+                pieces=len(backend.pieces),
                 cache_entry=str(backend.entry.path) if backend.entry is not None else None,
             )
             _graphs.append(record)

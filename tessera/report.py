@@ -178,7 +178,7 @@ def build_report(
         phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
         for obtained in list(backend.obtained):
             piece, size, outcome = obtained.piece, obtained.size, obtained.outcome
-            runner = backend.runners.get(piece)
+            runner = backend.pieces[piece].runner
             served = dict(runner.served()) if runner is not None else {}
             record = outcome.record
             artifacts.append(
@@ -193,14 +193,14 @@ def build_report(
                     worker=outcome.worker,
                 )
             )
-        for piece, runner in list(backend.runners.items()):
+        for piece, runner in backend.pieces.runners().items():
             # Pieces that served as traced while their general artifact compiled (background).
             artifacts.extend(
                 ArtifactReport(piece, label, "as traced", 0.0, file="", bytes=0, served=n)
                 for label, n in runner.served()
                 if label.endswith(TRACED_LABEL)
             )
-    records = backend.pieces() if backend is not None else ()
+    records = backend.records() if backend is not None else ()
     entry = backend.entry if backend is not None else None
     traced = any(name == "graphs_traced" and n for name, n in counters)
     compiled = any(a.source == "compiled" for a in artifacts)

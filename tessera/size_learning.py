@@ -14,9 +14,9 @@ from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.config import CompileConfig, Size
-from tessera.cudagraph import CUDAGraphPiece
 from tessera.learn import SizeLearner, SizeTally
-from tessera.piece import PieceRunner, free_symbols
+from tessera.piece import free_symbols
+from tessera.pieces import Pieces
 from tessera.schedule import start_thread
 from tessera.split import SplitItem
 from tessera.work import PieceWork
@@ -32,10 +32,7 @@ class LearningOwner(Protocol):
     state: CompileState
     artifact_cache: ArtifactCache
     phases: dict[str, float]
-    runners: dict[str, PieceRunner]
-    order: list[tuple[str, bool]]
-    graph_pieces: list[CUDAGraphPiece]
-    capture_sizes: tuple[int, ...]
+    pieces: Pieces
 
     def jobs_left(self) -> bool: ...  # the background compile still has the trace's own sizes
 
@@ -61,14 +58,7 @@ class SizeLearning:
     def start(self, learnt: Sequence[int] = ()) -> None:
         """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
         the hot ones (``learnt``: those an earlier process learnt, loaded)."""
-        runner = next(
-            (
-                self.owner.runners[n]
-                for n, splitting in self.owner.order
-                if n in self.owner.runners and self.owner.runners[n].source
-            ),
-            None,
-        )
+        runner = next((r for r in self.owner.pieces.runners().values() if r.source), None)
         if runner is None:
             return
         learner = None
@@ -97,7 +87,7 @@ class SizeLearning:
                 )
         self.tally = SizeTally(learner)
         runner.tally = self.tally
-        for piece in self.owner.graph_pieces:  # its replays bypass the runner: counted by the piece
+        for piece in self.owner.pieces.graph_pieces:  # its replays bypass the runner: counted by the piece
             if piece.fn is runner:
                 piece.tally = self.tally
 
@@ -164,10 +154,7 @@ class SizeLearning:
                     return False
                 for item, outcome in obtained:  # every piece at once
                     self.owner.add_artifact(item, size, outcome)
-                for piece in self.owner.graph_pieces:  # captured from the next call of a size it pads
-                    piece.add_capture_size(size)
-                if self.owner.graph_pieces:
-                    self.owner.capture_sizes = tuple(sorted({*self.owner.capture_sizes, size}))
+                self.owner.pieces.add_capture_sizes([size])  # captured from the next call it pads
             counters.bump("sizes_learnt")
             self.owner.phases["learn_sizes"] = (
                 self.owner.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
@@ -199,12 +186,9 @@ class SizeLearning:
         """A learnt size no longer hot: its artifact out of every piece (calls of that size go
         to the general artifact, or a range), and out of the record for the next process."""
         with self._learn_lock:
-            for runner in list(self.owner.runners.values()):
+            for runner in self.owner.pieces.runners().values():
                 runner.drop(size)
-            for piece in self.owner.graph_pieces:
-                piece.remove_capture_size(size)
-            if self.owner.graph_pieces:
-                self.owner.capture_sizes = tuple(s for s in self.owner.capture_sizes if s != size)
+            self.owner.pieces.remove_capture_size(size)
         # Recorded for the next process by the learning thread, once the size that takes this
         # one's place is in (a retirement is always for a newcomer): never a write, or a remote
         # publish, on the serving call that made the look.

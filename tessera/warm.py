@@ -34,9 +34,8 @@ from tessera.call_check import CallSpec
 from tessera.compilers import Compiler, loads_without_graph, make_compiler
 from tessera.config import CompileConfig, size_label
 from tessera.errors import CompilerError, FallbackWarning
-from tessera.piece import PieceRunner
+from tessera.piece import PieceRecord, PieceRunner
 from tessera.portable import capture_code, rebuild_call
-from tessera.split import SplitItem
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +223,7 @@ def rebuild(
         _warn_bug_once(reason, entry_path)
         return Refused(reason)
     backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
-    counters.bump("pieces", len(backend.order))
+    counters.bump("pieces", len(backend.pieces))
     counters.bump("compiled_pieces", len(saved.pieces))
     backend.background.ready.set()  # every size was in the artifact
     return Rebuilt(backend, calls)
@@ -242,6 +241,9 @@ def _install_saved(
     needs_graph = not loads_without_graph(backend.compiler)
     attributes: dict[str, Any] = {}
     loaded_learnt: set[int] = set()
+    splitting = {name for name, _ in saved.modules}
+    names = sorted([*splitting, *(r.name for r in saved.pieces)], key=lambda n: int(n.rsplit("_", 1)[1]))
+    backend.pieces.place_names(names, splitting)
     for record in saved.pieces:
         graph = None
         if needs_graph:
@@ -268,7 +270,7 @@ def _install_saved(
             artifacts[size] = found.fn
             backend.note_obtained(record.name, size, found)
             loaded_learnt.add(size)
-        attributes[record.name] = backend.install_runner(
+        attributes[record.name] = backend.pieces.install_runner(
             record, PieceRunner(record.name, artifacts, record.size_source, backend.config.max_size)
         )
     loaded = time.perf_counter()
@@ -278,21 +280,11 @@ def _install_saved(
     for name, module in saved.modules:
         if module.source not in built:  # identical splitting pieces: one exec
             built[module.source] = module.build({})
-        attributes[name] = backend.layout_kept(name, built[module.source], layouts.get(name))
+        attributes[name] = backend.pieces.layout_kept(name, built[module.source], layouts.get(name))
     forward = saved.split_module.build(attributes)
-    names = sorted(attributes, key=lambda n: int(n.rsplit("_", 1)[1]))
-    splitting = {name for name, _ in saved.modules}
-    backend.order = [(n, n in splitting) for n in names]
     backend.split_forward = forward
-    if (
-        backend.graph_backend is not None
-        and backend.config.auto_sizes
-        and backend.config.cudagraph_capture_sizes is None
-    ):
-        for piece in backend.graph_pieces:
-            for size in loaded_learnt:
-                piece.add_capture_size(size)
-        backend.capture_sizes = tuple(sorted({*backend.capture_sizes, *loaded_learnt}))
+    if backend.config.auto_sizes and backend.config.cudagraph_capture_sizes is None:
+        backend.pieces.add_capture_sizes(sorted(loaded_learnt))
     backend.learning.start(sorted(loaded_learnt, key=list(learnt).index))
     return forward
 
@@ -311,7 +303,8 @@ def save_artifact(
     if entry is None or split_gm is None or backend.cache_root is None:
         return False
     start = time.perf_counter()
-    unsaved = [i.name for i in backend.items if not i.is_splitting and not _saved(backend, i)]
+    pieces = list(backend.pieces)
+    unsaved = [p.name for p in pieces if not p.is_splitting and not _saved(backend, p.record)]
     if unsaved:
         backend.artifact_fate = _not_written(f"{unsaved} were not saved by compiler {backend.compiler.name}")
         log.info("no whole-model artifact: %s", backend.artifact_fate)
@@ -325,11 +318,13 @@ def save_artifact(
         saved: ModelArtifact = model_artifact.make(
             portable,
             split_gm,
-            [backend.records[i.name] for i in backend.items if not i.is_splitting],
-            [i.name for i in backend.items if i.is_splitting],
-            list(backend.layouts.items()),
+            [p.record for p in pieces if p.record is not None],
+            [p.name for p in pieces if p.is_splitting],
+            [(p.name, p.layout) for p in pieces if p.is_splitting],
             backend.sources,
-            None if loads_without_graph(backend.compiler) else backend.contents,
+            None
+            if loads_without_graph(backend.compiler)
+            else {p.name: p.content or "" for p in pieces if not p.is_splitting},
             spec,
         )
     except (pickle.PicklingError, TypeError, AttributeError) as e:
@@ -364,13 +359,13 @@ def save_artifact(
     return True
 
 
-def _saved(backend: PiecewiseBackend, item: SplitItem) -> bool:
-    record = backend.records.get(item.name)
+def _saved(backend: PiecewiseBackend, record: PieceRecord | None) -> bool:
+    """Whether every artifact of a compiled piece is recorded in the backend's entry."""
     if record is None or backend.entry is None:
         return False
     entries = backend.entry.index.entries
     return all(
-        (key, item.index, backend.compiler.name) in entries
+        (key, record.index, backend.compiler.name) in entries
         for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
     )
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import backend as backend_module, learn
+from tessera import learn, pieces as pieces_module
 from tessera.cache.key import config_record
 from tessera.cli.picture import render_html
 from tessera.config import CompileConfig
@@ -144,8 +144,8 @@ def test_a_retired_size_goes_back_to_the_general_artifact_and_out_of_the_record(
 
 def test_learnt_sizes_are_the_capture_sizes_under_cuda_graphs(monkeypatch):
     graphs = StandInGraphs()
-    monkeypatch.setattr(backend_module, "cuda_graphs_available", lambda mode: True)
-    monkeypatch.setattr(backend_module, "CUDAGraphBackend", lambda: graphs)
+    monkeypatch.setattr(pieces_module, "cuda_graphs_available", lambda mode: True)
+    monkeypatch.setattr(pieces_module, "CUDAGraphPool", lambda: graphs)
     model = toy_llama.build_decode(num_layers=1, max_batch=16, max_len=64)
     reference = copy.deepcopy(model)
     compiled = tessera.compile(model, backend="eager", cudagraph_mode="piecewise", compile_sizes="auto")

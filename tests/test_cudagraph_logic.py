@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import backend as backend_module, cudagraph
+from tessera import cudagraph, pieces as pieces_module
 from tessera.cudagraph import CUDAGraphError, CUDAGraphPiece, padded_size
 from tessera.models import toy_llama
 from tessera.piece import DynamicInputs, SizeSource
@@ -121,8 +121,8 @@ def test_cudagraph_mode_without_cuda_warns_once_and_runs_without_graphs(caplog, 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_decode_model_under_stand_in_graphs_matches_eager(mode, monkeypatch):
     graphs = StandInGraphs()
-    monkeypatch.setattr(backend_module, "cuda_graphs_available", lambda mode: True)
-    monkeypatch.setattr(backend_module, "CUDAGraphBackend", lambda: graphs)
+    monkeypatch.setattr(pieces_module, "cuda_graphs_available", lambda mode: True)
+    monkeypatch.setattr(pieces_module, "CUDAGraphPool", lambda: graphs)
     capture_sizes = [2, 4, 8]
     model = toy_llama.build_decode(num_layers=2, max_batch=8, max_len=64)
     reference = copy.deepcopy(model)

@@ -86,3 +86,32 @@ def test_every_module_is_small_and_the_pieces_owner_smaller():
     backend = (PACKAGE / "backend.py").read_text()
     body = re.search(r"^class PiecewiseBackend\b.*?(?=^\S)", backend + "\nEND", re.S | re.M)
     assert body is not None and len(body.group(0).splitlines()) < 300
+
+
+def test_every_compat_definition_says_which_torch_it_was_checked_on():
+    """Every function, class and UPPER_CASE constant of ``tessera/_compat/`` (private helpers too)
+    names the torch versions it was checked on: ``Checked on torch ...`` in its docstring, or in a
+    comment on the line directly above the constant (or on its line)."""
+    missing = []
+    for path in sorted((PACKAGE / "_compat").glob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.parse(text).body:
+            where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if "Checked on torch" not in (ast.get_docstring(node) or ""):
+                    missing.append(f"{where} {node.name} (docstring)")
+                continue
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                name = target.id if isinstance(target, ast.Name) else ""
+                if name.strip("_") and name == name.upper() and any(c.isalpha() for c in name):
+                    near = lines[max(node.lineno - 2, 0) : node.lineno]
+                    if not any("Checked on torch" in line for line in near):
+                        missing.append(f"{where} {name} (comment above)")
+    assert not missing, (
+        "say which torch versions each _compat definition was checked on, and why it exists "
+        "('Checked on torch 2.11, 2.13: <private API>; <public replacement, if any>'): " + ", ".join(missing)
+    )

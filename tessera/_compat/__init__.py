@@ -95,22 +95,30 @@ from tessera._compat.tensors import (
 log = logging.getLogger(__name__)
 
 # Dynamo installs the compiled graph as a global of the traced function's module under a name
-# with this prefix (torch 2.11-2.13, convert_frame / output_graph). No public name exists.
+# with this prefix (convert_frame / output_graph); tessera finds those globals by it.
+# Checked on torch 2.11, 2.13: Dynamo's private naming, no public name exists.
 COMPILED_FN_PREFIX = "__compiled_fn"
 
 
 # The torch releases this module was checked on (tests/test_compat.py, docs/versions.md).
+# Checked on torch 2.11-2.15: outside this range UntestedTorchWarning fires; no private state read.
 TESTED_TORCH = ((2, 11), (2, 15))
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
-    """(major, minor) of ``version`` (default: the installed torch), ``2.15.0+cpu`` -> (2, 15)."""
+    """(major, minor) of ``version`` (default: the installed torch), ``2.15.0+cpu`` -> (2, 15).
+
+    Checked on torch 2.11, 2.13: reads the public ``torch.__version__`` only, nothing private.
+    """
     match = re.match(r"^(\d+)\.(\d+)", version or torch.__version__)
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def untested_torch(version: str | None = None) -> str | None:
-    """Why the installed torch is outside the tested range (None when inside it)."""
+    """Why the installed torch is outside the tested range (None when inside it).
+
+    Checked on torch 2.11, 2.13: public ``torch.__version__`` against ``TESTED_TORCH``, nothing private.
+    """
     release = torch_release(version)
     low, high = TESTED_TORCH
     if low <= release <= high:
@@ -124,22 +132,28 @@ def untested_torch(version: str | None = None) -> str | None:
 
 # -- Dynamo -------------------------------------------------------------------------------------
 def dynamo() -> types.ModuleType:
-    """``torch._dynamo``, imported on first use (~0.6 s): only the tracing path needs it."""
+    """``torch._dynamo``, imported on first use (~0.6 s): only the tracing path needs it.
+
+    Checked on torch 2.11, 2.13: the private module; ``torch.compiler`` lacks its config, exc, reset_code.
+    """
     import torch._dynamo
 
     return torch._dynamo
 
 
 # Used when Dynamo has no compile lock of its own (none of 2.11-2.15): compiles still serialise.
+# Checked on torch 2.11-2.15: stands in for ``convert_frame.compile_lock``; no public lock exists.
 _FALLBACK_COMPILE_LOCK = threading.RLock()
 
 
 @functools.cache
 def dynamo_compile_lock() -> Any:
     """Dynamo's process-wide compile lock (an RLock), held while it converts a frame and runs the
-    backend: ``torch._dynamo.convert_frame.compile_lock`` (torch 2.11-2.15; Inductor's backward
-    compile takes it too). No public API; tessera's compiles take it so that no two compiles of a
-    process overlap (see compile_state.COMPILE_LOCK). Imports Dynamo: call it on compile paths only.
+    backend: ``torch._dynamo.convert_frame.compile_lock`` (Inductor's backward compile takes it
+    too). tessera's compiles take it so that no two compiles of a process overlap (see
+    compile_state.COMPILE_LOCK). Imports Dynamo: call it on compile paths only.
+
+    Checked on torch 2.11-2.15; no public API.
     """
     from torch._dynamo import convert_frame
 
@@ -149,7 +163,8 @@ def dynamo_compile_lock() -> Any:
 def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None]) -> Any:
     """Call ``hook(original, transformed)`` for every frame Dynamo converts; returns a handle.
 
-    torch 2.11-2.13: ``torch._dynamo.convert_frame.register_bytecode_hook`` (no public API yet).
+    Checked on torch 2.11, 2.13: ``torch._dynamo.convert_frame.register_bytecode_hook`` (no public
+    API yet).
     """
     from torch._dynamo.convert_frame import register_bytecode_hook as register
 
@@ -157,7 +172,10 @@ def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None
 
 
 def reset_code(code: types.CodeType) -> None:
-    """Drop Dynamo's compiled entries for one code object (torch 2.11-2.13: ``_dynamo.reset_code``)."""
+    """Drop Dynamo's compiled entries for one code object (``torch._dynamo.reset_code``).
+
+    Checked on torch 2.11, 2.13; no public API (``torch.compiler.reset`` drops every code's entries).
+    """
     dynamo().reset_code(code)
 
 
@@ -171,6 +189,9 @@ def single_trace_settings(
     (``recompile_limit`` names, torch 2.11-2.13). ``dynamic_state``: Python ints read from the
     arguments (``kwargs['cache'].length``, source names relative to the frame) traced as symbols
     through ``torch.compiler.config.dynamic_sources`` (torch >= 2.11; exact names, so escaped).
+
+    Checked on torch 2.11, 2.13: patches private ``torch._dynamo.config`` and
+    ``torch.fx.experimental._config``; only ``dynamic_sources`` is public.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
@@ -192,8 +213,9 @@ def single_trace_settings(
 
 
 def size_oblivious_enabled() -> bool:
-    """Whether backed sizes are reasoned about size-obliviously now (torch.fx.experimental._config,
-    torch 2.11-2.15): set while tessera traces, and needed again by every compile of that trace."""
+    """Whether backed sizes are reasoned about size-obliviously now: set while tessera traces, and
+    needed again by every compile of that trace. Checked on torch 2.11-2.15: the private
+    ``torch.fx.experimental._config.backed_size_oblivious``; no public switch."""
     from torch.fx.experimental import _config as fx_config
 
     return bool(getattr(fx_config, "backed_size_oblivious", False))
@@ -203,7 +225,9 @@ def size_oblivious_enabled() -> bool:
 def size_oblivious() -> Iterator[None]:
     """Backed sizes reasoned about as if >= 2 while a size-oblivious trace's graph is compiled:
     Inductor's own shape decisions would otherwise read a size-1 hint as the size and specialise
-    the general artifact to it (a trace made at size 1 then served size 3 wrongly)."""
+    the general artifact to it (a trace made at size 1 then served size 3 wrongly).
+    Checked on torch 2.11, 2.13: patches the private ``torch.fx.experimental._config``; no public
+    switch."""
     from torch.fx.experimental import _config as fx_config
 
     with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
@@ -217,7 +241,8 @@ def compile_guards_ignored(example_inputs: Sequence[Any]) -> Iterator[None]:
     (``ShapeEnv.suppress_guards``, torch 2.11-2.15). The call check holds what the trace itself
     decided; a compile made in the background, after the guards were read, never added any, and an
     up-front compile must not add what a background one would not (a size-1 call refused, then
-    traced again, for the compiler's hint-based ``s > 1``)."""
+    traced again, for the compiler's hint-based ``s > 1``). Checked on torch 2.11-2.15: private
+    ``torch._guards.detect_fake_mode`` and ``ShapeEnv.suppress_guards``; no public API."""
     from torch._guards import detect_fake_mode
 
     mode = detect_fake_mode(list(example_inputs))
@@ -232,7 +257,9 @@ def compile_guards_ignored(example_inputs: Sequence[Any]) -> Iterator[None]:
 def override_size_hint(tensor: torch.Tensor, dim: int, hint: int) -> None:
     """Trace ``tensor``'s dim with ``hint`` as its size hint (what ``mark_dynamic(...,
     hint_override=)`` records, torch 2.11-2.15, read for every mark kind when the tensor is
-    fakified): decisions made on the hint (Inductor's code generation) see a general size."""
+    fakified): decisions made on the hint (Inductor's code generation) see a general size.
+    Checked on torch 2.11-2.15: writes the private ``Tensor._dynamo_hint_overrides``; the public
+    ``hint_override=`` of ``mark_dynamic`` / ``mark_unbacked`` sets it only with their own mark."""
     overrides = getattr(tensor, "_dynamo_hint_overrides", None)
     if overrides is None:
         overrides = {}
@@ -241,7 +268,10 @@ def override_size_hint(tensor: torch.Tensor, dim: int, hint: int) -> None:
 
 
 def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
-    """``torch._dynamo.decorators.mark_unbacked`` (torch 2.11-2.13)."""
+    """``torch._dynamo.decorators.mark_unbacked``: a dim traced as a size-free symbol.
+
+    Checked on torch 2.11, 2.13; ``torch.compiler`` has no equivalent.
+    """
     from torch._dynamo.decorators import mark_unbacked as mark
 
     mark(tensor, dim)
@@ -249,6 +279,7 @@ def mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
 
 # What Dynamo's mark_dynamic / maybe_mark_dynamic / mark_unbacked leave on a tensor (torch
 # 2.11-2.15, torch/_dynamo/decorators.py): attributes that outlive the call they were set for.
+# Checked on torch 2.11-2.15: private tensor attributes; torch has no public way to clear a mark.
 _DIM_MARKS = (
     "_dynamo_dynamic_indices",
     "_dynamo_dynamic_range",
@@ -266,7 +297,8 @@ _DIM_MARKS = (
 def dim_marks_restored(tensors: list[torch.Tensor]) -> Iterator[None]:
     """The tensors' dim marks as they were before the body (torch 2.11-2.15): tessera marks the
     caller's tensors for its one trace, and a mark left behind would follow the tensor into the
-    caller's own torch.compile, or into another trace of the same tensor (one per size)."""
+    caller's own torch.compile, or into another trace of the same tensor (one per size).
+    Checked on torch 2.11-2.15: restores the private ``_DIM_MARKS``; no public way to clear a mark."""
     saved = [(t, {n: copy.copy(t.__dict__[n]) for n in _DIM_MARKS if n in t.__dict__}) for t in tensors]
     try:
         yield
@@ -280,11 +312,16 @@ def dim_marks_restored(tensors: list[torch.Tensor]) -> Iterator[None]:
 
 
 def supports_dynamic_state() -> bool:
+    """Whether ``torch.compiler.config.dynamic_sources`` (public) exists, which traces chosen ints as
+    symbols. Checked on torch 2.11, 2.13: present on both; the check guards any other torch."""
     return hasattr(torch.compiler.config, "dynamic_sources")
 
 
 def trace_errors() -> tuple[type[BaseException], ...]:
-    """Dynamo's errors for code that cannot be one graph (``Unsupported``, ``UserError``)."""
+    """Dynamo's errors for code that cannot be one graph (``Unsupported``, ``UserError``).
+
+    Checked on torch 2.11, 2.13: private ``torch._dynamo.exc``; ``torch.compiler`` exports no errors.
+    """
     exc = dynamo().exc
     return (exc.Unsupported, exc.UserError)
 
@@ -293,6 +330,7 @@ def trace_errors() -> tuple[type[BaseException], ...]:
 # on 2.11) that say an op or the code raised on the traced values: a TypeError or RuntimeError of
 # an op run on fake tensors (``RuntimeError when making fake tensor call``), or an exception the
 # code raised and nothing caught (``Observed exception``). Eager would most likely raise too.
+# Checked on torch 2.11, 2.13: Dynamo's private graph-break wording; no public error kinds.
 _RAISED_ON_VALUES = re.compile(r"^(Observed exception|\w+ when making fake tensor call)")
 
 
@@ -300,7 +338,8 @@ def raised_on_values(error: BaseException) -> bool:
     """Whether a failed trace failed because an op or the code raised on the call's values (what
     eager may raise as well: ``x @ w`` with the wrong sizes, ``None.view``), not because Dynamo
     cannot trace the code. ``error`` is Dynamo's, or an UnsupportedModelError holding it as
-    ``dynamo_error``. ``TorchRuntimeError`` / ``Unsupported`` (torch 2.11-2.13, ``_dynamo.exc``)."""
+    ``dynamo_error``. Checked on torch 2.11, 2.13: ``TorchRuntimeError`` / ``Unsupported`` of the
+    private ``torch._dynamo.exc``; no public error kinds."""
     error = getattr(error, "dynamo_error", None) or error
     exc = dynamo().exc
     if isinstance(error, exc.TorchRuntimeError):
@@ -313,9 +352,10 @@ def raised_on_values(error: BaseException) -> bool:
 
 # What torch logs at WARNING or above while a trace fails, about a failure it then raises (so the
 # log line only repeats the error tessera handles: retried another way, or raised to the caller in
-# eager's or tessera's words). Checked on torch 2.11-2.13: fake_tensor's ``log.exception`` when a
-# meta kernel raises (``x @ w`` with the wrong sizes, or a size-oblivious trace a kernel refuses),
-# and the one when an op raises TypeError; symbolic_shapes' warning when a guard fails to evaluate.
+# eager's or tessera's words): fake_tensor's ``log.exception`` when a meta kernel raises (``x @ w``
+# with the wrong sizes, or a size-oblivious trace a kernel refuses), and the one when an op raises
+# TypeError; symbolic_shapes' warning when a guard fails to evaluate.
+# Checked on torch 2.11, 2.13: torch's internal logger names and wording; no public switch.
 _TRACE_FAILURE_LOGS: dict[str, tuple[str, ...]] = {
     "torch._subclasses.fake_tensor": (
         "failed while attempting to run meta for",
@@ -326,7 +366,10 @@ _TRACE_FAILURE_LOGS: dict[str, tuple[str, ...]] = {
 
 
 class _TraceFailureLogs(logging.Filter):
-    """Turns torch's log lines about a failure it raises into DEBUG lines of tessera's logger."""
+    """Turns torch's log lines about a failure it raises into DEBUG lines of tessera's logger.
+
+    Checked on torch 2.11, 2.13: matches torch's internal log wording (``_TRACE_FAILURE_LOGS``).
+    """
 
     def __init__(self, starts: tuple[str, ...]) -> None:
         super().__init__()
@@ -347,7 +390,9 @@ def trace_failure_logs_quiet() -> Iterator[None]:
     """torch's own log lines about an error raised in a trace, at DEBUG (tessera's logger) for the
     body instead of on stderr: the error itself reaches tessera, which retries the trace another way
     or raises it (in eager's words where eager rejects the call). Every other record, and these at
-    DEBUG (``TORCH_LOGS``), passes as before. A filter per logger, removed on the way out."""
+    DEBUG (``TORCH_LOGS``), passes as before. A filter per logger, removed on the way out.
+    Checked on torch 2.11, 2.13: torch's internal loggers (``_TRACE_FAILURE_LOGS``); no public
+    switch."""
     added = []
     for name, starts in _TRACE_FAILURE_LOGS.items():
         logger, quiet = logging.getLogger(name), _TraceFailureLogs(starts)
@@ -361,7 +406,11 @@ def trace_failure_logs_quiet() -> Iterator[None]:
 
 
 def backend_failure(error: BaseException) -> BaseException | None:
-    """What a backend raised, when ``error`` is Dynamo's ``BackendCompilerFailed`` wrapping it."""
+    """What a backend raised, when ``error`` is Dynamo's ``BackendCompilerFailed`` wrapping it.
+
+    Checked on torch 2.11, 2.13: ``inner_exception`` of the private ``torch._dynamo.exc`` class,
+    matched by name so that Dynamo is not imported; no public API.
+    """
     if type(error).__name__ != "BackendCompilerFailed":
         return None
     return getattr(error, "inner_exception", None) or error.__cause__
@@ -371,7 +420,7 @@ def graph_compile_reason(gm: torch.fx.GraphModule) -> tuple[str, str, bool]:
     """Why Dynamo ended the graph it hands a backend: (reason, where in the user's code, whether
     it was a graph break). Where: the innermost frame outside torch, and torch's own frame after
     it when the break is inside torch. Read from ``gm.compile_subgraph_reason`` (a
-    ``GraphCompileReason``; torch 2.11-2.15)."""
+    ``GraphCompileReason``). Checked on torch 2.11-2.15: set by Dynamo, no public accessor."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None:
         return "", "", False
@@ -390,6 +439,10 @@ def graph_compile_reason(gm: torch.fx.GraphModule) -> tuple[str, str, bool]:
 
 
 def constraint_violation_error() -> type[BaseException]:
+    """What a trace raises when the code fixes a dim marked dynamic (``ConstraintViolationError``).
+
+    Checked on torch 2.11, 2.13: ``torch.fx.experimental.symbolic_shapes``; no public name.
+    """
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
     return ConstraintViolationError
@@ -400,6 +453,8 @@ def traced_code_objects() -> list[types.CodeType] | None:
 
     ``TracingContext.get_traced_code()`` on torch 2.13; its ``traced_code`` list attribute on
     torch 2.11. Remove the fallback once 2.13 is the oldest supported torch.
+
+    Checked on torch 2.11, 2.13: the private ``torch._guards.TracingContext``; no public API.
     """
     context = torch._guards.TracingContext
     getter = getattr(context, "get_traced_code", None)

@@ -17,10 +17,13 @@ import torch
 log = logging.getLogger(__name__)
 
 
+# Checked on torch 2.11, 2.13: tessera's own per-thread depth of torch.fx's ``Tracer.trace``.
 _FX_TRACING_HERE = threading.local()  # per thread: how deep in torch.fx's Tracer.trace it is
 
 
 def _tracing_in_this_thread() -> bool:
+    """Whether this thread is inside ``Tracer.trace``: what ``isolate_fx_tracing_flag`` installs in
+    the private ``torch.fx._symbolic_trace``. Checked on torch 2.11, 2.13."""
     return getattr(_FX_TRACING_HERE, "depth", 0) > 0
 
 
@@ -38,6 +41,8 @@ def isolate_fx_tracing_flag() -> None:
     are given code that also asks that count. Their code objects are replaced, not the functions:
     Dynamo keys tables on these function objects, and ``torch.compile`` wrappers made before
     this ran hold them. Remove when 2.13 leaves the supported range.
+
+    Checked on torch 2.11, 2.13.
     """
     module = sys.modules.get("torch.fx._symbolic_trace")
     if module is None or not hasattr(module, "_is_fx_tracing_flag") or hasattr(module, "_is_fx_tracing_tls"):
@@ -84,8 +89,8 @@ def isolate_fx_patches() -> None:
     """Make the methods torch.fx patches on classes while it traces act in the tracing thread only.
 
     Reason: for the length of a trace, ``Tracer.trace`` replaces ``torch.nn.Module.__call__`` and
-    ``__getattr__`` on the class, process-wide, through ``_Patcher.patch_method`` (read on torch
-    2.13 only; ``_Patcher`` dates from pytorch/pytorch#50793, 2021: without it this does nothing).
+    ``__getattr__`` on the class, process-wide, through the private ``_Patcher.patch_method``
+    (``_Patcher`` dates from pytorch/pytorch#50793, 2021: without it this does nothing).
     Every compile traces: AOTAutograd's make_fx, and Inductor's ``symbolic_trace`` of a one-line
     function (``loop_body.InterpreterShim._dummy_gm``, once per process, in the first compile that
     analyses a loop's index bounds: a static size). A module called meanwhile in another thread
@@ -101,6 +106,8 @@ def isolate_fx_patches() -> None:
     ``Proxy`` argument only, which another thread never has. Two FX traces in two threads at once
     stay unsupported (torch undoes patches in its own order). pytorch/pytorch#187589 proposes the
     same upstream (a thread-local patcher); remove once every supported torch has it.
+
+    Checked on torch 2.13 only (``_Patcher`` was read there alone).
     """
     import torch.fx._symbolic_trace as module  # loaded by ``import torch``
 
@@ -120,7 +127,10 @@ def isolate_fx_patches() -> None:
 
 
 def _in_this_thread_only(patched: Callable[..., Any], previous: Callable[..., Any]) -> Callable[..., Any]:
-    """``patched`` when called from the calling thread, ``previous`` from any other."""
+    """``patched`` when called from the calling thread, ``previous`` from any other.
+
+    Checked on torch 2.13 (as part of ``isolate_fx_patches``); reads no torch API itself.
+    """
     owner = threading.get_ident()
 
     @functools.wraps(patched)
@@ -136,6 +146,7 @@ def isolate_fx_tracing() -> None:
     """What one thread's FX trace changes process-wide, seen by that thread only: the tracing flag
     (``isolate_fx_tracing_flag``) and the patched ``nn.Module`` methods (``isolate_fx_patches``).
     Called under ``compile_state.COMPILE_LOCK`` (every compile of tessera's) and before a compile
-    thread starts: one cache lookup after the first call."""
+    thread starts: one cache lookup after the first call. Checked on torch 2.11, 2.13 (the patches
+    part on 2.13 only): see the two it calls for the private state each wraps."""
     isolate_fx_tracing_flag()
     isolate_fx_patches()

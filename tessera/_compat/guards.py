@@ -21,20 +21,29 @@ log = logging.getLogger(__name__)
 
 
 def dynamo_source_name(expr: str) -> str:
-    """``kwargs['x'].n`` (a guard's name) as Dynamo's full source name ``L['kwargs']['x'].n``."""
+    """``kwargs['x'].n`` (a guard's name) as Dynamo's full source name ``L['kwargs']['x'].n``.
+
+    Checked on torch 2.11, 2.13: Dynamo's private source-name format; no public form.
+    """
     root, rest = re.match(r"^(\w+)(.*)$", expr).groups()  # type: ignore[union-attr]
     return f"L[{root!r}]{rest}"
 
 
 def guard_code(guard: Any) -> list[str]:
-    """The Python expressions of a guard entry (``orig_guard.code_list``, torch 2.11-2.13)."""
+    """The Python expressions of a guard entry (``orig_guard.code_list``).
+
+    Checked on torch 2.11, 2.13: ``orig_guard`` is Dynamo's private ``Guard``; no public accessor.
+    """
     code = getattr(getattr(guard, "orig_guard", None), "code_list", None)
     return [c for c in code or () if isinstance(c, str)]
 
 
 @dataclasses.dataclass(frozen=True)
 class GuardFact:
-    """One guard Dynamo produced, as tessera reads it (``GuardFilterEntry``, torch 2.11-2.15)."""
+    """One guard Dynamo produced, as tessera reads it (``GuardFilterEntry``).
+
+    Checked on torch 2.11-2.15: what ``torch.compile``'s ``guard_filter_fn`` is given, kept plain.
+    """
 
     kind: str  # Dynamo's guard type: "TENSOR_MATCH", "CONSTANT_MATCH", ...
     name: str  # its source, relative to the frame: ``args[0]``, ``kwargs['cache'].layers[0].keys``
@@ -46,7 +55,10 @@ class GuardFact:
 
 
 def guard_fact(entry: Any) -> GuardFact:
-    """A ``GuardFilterEntry`` (the argument of ``guard_filter_fn``) as a ``GuardFact``."""
+    """A ``GuardFilterEntry`` (the argument of ``guard_filter_fn``) as a ``GuardFact``.
+
+    Checked on torch 2.11, 2.13: its fields, and the private ``orig_guard`` they lead to.
+    """
     has_value = bool(getattr(entry, "has_value", False))
     return GuardFact(
         kind=str(entry.guard_type),
@@ -60,8 +72,9 @@ def guard_fact(entry: Any) -> GuardFact:
 
 
 def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
-    # GuardBuilder methods bound with functools.partial carry their arguments (attr=, key=) in
-    # orig_guard.create_fn.keywords (torch 2.11-2.15); the C++ guard has no Python form to read.
+    """String arguments of a guard (HASATTR's ``attr``). Checked on torch 2.11-2.15: GuardBuilder
+    methods bound with functools.partial carry them (attr=, key=) in the private
+    ``orig_guard.create_fn.keywords``; the C++ guard has no Python form to read."""
     # A Source argument (DUPLICATE_INPUT's ``source_b``) is kept as its name: ``name`` is a method
     # up to torch 2.13 and a property after.
     create = getattr(getattr(entry, "orig_guard", None), "create_fn", None)
@@ -78,7 +91,8 @@ def _guard_detail(entry: Any) -> tuple[tuple[str, str], ...]:
 
 def placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
     """The fake value of each graph input (SymInts and tensors with symbolic sizes), from the
-    placeholders' ``example_value`` metadata (torch 2.11-2.15)."""
+    placeholders' ``example_value`` metadata. Checked on torch 2.11-2.15: Dynamo's node metadata, no
+    public accessor."""
     return [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
 
 
@@ -86,8 +100,10 @@ def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ..
     """Source name (``args[0]``) -> per dim of that graph input, the symbol Dynamo gave it (its
     expression as text), or None for a static dim.
 
-    Read from the placeholders' ``grapharg`` and ``example_value`` metadata (torch 2.11-2.15; no
-    public accessor). A dim Dynamo specialised (a default dim the code fixes) reads as static.
+    Read from the placeholders' ``grapharg`` and ``example_value`` metadata. A dim Dynamo
+    specialised (a default dim the code fixes) reads as static.
+
+    Checked on torch 2.11-2.15: Dynamo's node metadata and ``Source.name``; no public accessor.
     """
     out: dict[str, tuple[str | None, ...]] = {}
     for node in gm.graph.nodes:
@@ -108,7 +124,7 @@ def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ..
 
 def local_source_name(name: str) -> str:
     """Dynamo's ``L['kwargs']['x']`` as the guard-entry form ``kwargs['x']`` (the inverse of
-    ``dynamo_source_name``)."""
+    ``dynamo_source_name``). Checked on torch 2.11, 2.13: Dynamo's private source-name format."""
     return re.sub(r"\bL\[['\"](\w+)['\"]\]", r"\1", name)
 
 
@@ -117,7 +133,8 @@ def call_state() -> tuple[Any, ...]:
     dtype, and the depth of the torch-function mode stack (``with torch.device(...)``,
     ``set_default_device``). Grad mode is handled apart (inference graphs, see api.py).
 
-    ``torch.get_autocast_dtype`` and ``torch._C._len_torch_function_stack`` (torch 2.11-2.15).
+    Checked on torch 2.11-2.15: ``torch.get_autocast_dtype`` is public; the mode stack's depth is
+    the private ``torch._C._len_torch_function_stack`` (no public accessor).
     """
     autocast = tuple(
         (device, torch.get_autocast_dtype(device))
@@ -128,22 +145,30 @@ def call_state() -> tuple[Any, ...]:
 
 
 # Devices whose autocast state a call check compares (the ones torch 2.11-2.15 CPUs and GPUs use).
+# Checked on torch 2.11-2.15: device names for the public ``torch.is_autocast_enabled(device)``.
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def any_autocast() -> Callable[[], bool]:
-    """A cheap test of whether any autocast is on (``torch._C._is_any_autocast_enabled``, 2.11-2.15)."""
+    """A cheap test of whether any autocast is on (``torch._C._is_any_autocast_enabled``).
+
+    Checked on torch 2.11-2.15: private; the public way asks ``torch.is_autocast_enabled`` per device.
+    """
     return torch._C._is_any_autocast_enabled  # type: ignore[no-any-return]
 
 
 def function_mode_depth() -> Callable[[], int]:
-    """``torch._C._len_torch_function_stack`` (torch 2.11-2.15): > 0 under ``with torch.device()``."""
+    """``torch._C._len_torch_function_stack``: > 0 under ``with torch.device()``.
+
+    Checked on torch 2.11-2.15: private; no public depth of the torch-function mode stack.
+    """
     return torch._C._len_torch_function_stack  # type: ignore[no-any-return]
 
 
 class _GuardGlobals(dict):  # type: ignore[type-arg]
     """The traced frame's globals as Dynamo's guards name them (``G['__import_torch']``): names
-    Dynamo installed in the cold process, resolved on demand in a warm one."""
+    Dynamo installed in the cold process, resolved on demand in a warm one. Checked on torch
+    2.11-2.15: Dynamo's private ``__import_*`` / ``__builtins_dict__*`` global names; no public API."""
 
     def __missing__(self, name: str) -> Any:
         # Dynamo's aliases (torch 2.11-2.15): __import_<module with '.' as '_dot_'>, and
@@ -161,5 +186,8 @@ class _GuardGlobals(dict):  # type: ignore[type-arg]
 
 
 def guard_globals(namespace: dict[str, Any]) -> dict[str, Any]:
-    """What ``G`` means in a guard's expression, for a frame whose globals are ``namespace``."""
+    """What ``G`` means in a guard's expression, for a frame whose globals are ``namespace``.
+
+    Checked on torch 2.11, 2.13: Dynamo's private guard expressions; no public guard evaluator.
+    """
     return _GuardGlobals(namespace)

@@ -20,23 +20,34 @@ log = logging.getLogger(__name__)
 
 
 # Inductor config keys that never change generated code, or that tessera sets itself per
-# process (the ISA probe result): kept out of cache keys (torch 2.11-2.13 names).
+# process (the ISA probe result): kept out of cache keys.
+# Checked on torch 2.11, 2.13: names of Inductor's private config; no public cache-key API.
 INDUCTOR_CONFIG_NOT_IN_KEY = frozenset({"cpp.vec_isa_ok", "post_grad_custom_post_pass"})
 
 
 def inductor_config() -> Any:
+    """``torch._inductor.config``, imported on first use.
+
+    Checked on torch 2.11, 2.13: a private module; no public API reads or patches Inductor settings.
+    """
     from torch._inductor import config
 
     return config
 
 
 def inductor_config_names() -> set[str]:
-    """Every Inductor setting's name (dotted for nested ones: ``cpp.simdlen``)."""
+    """Every Inductor setting's name (dotted for nested ones: ``cpp.simdlen``).
+
+    Checked on torch 2.11, 2.13: ``get_config_copy`` of the private config; no public list.
+    """
     return set(inductor_config().get_config_copy())
 
 
 def inductor_config_repr() -> str:
-    """The whole Inductor config as a string equal across processes with equal settings."""
+    """The whole Inductor config as a string equal across processes with equal settings.
+
+    Checked on torch 2.11, 2.13: the private config's ``save_config_portable``; no public fingerprint.
+    """
     config = inductor_config()
     try:
         saved = config.save_config_portable()
@@ -55,6 +66,8 @@ def inductor_config_overrides() -> str:
     """Inductor settings changed from their defaults, without importing Inductor.
 
     If the config module is not loaded, only ``TORCHINDUCTOR_*`` variables can have changed it.
+
+    Checked on torch 2.11, 2.13: the private ``torch._inductor.config._config`` entries; no public API.
     """
     env = sorted((k, v) for k, v in os.environ.items() if _inductor_env_changes_code(k))
     module = sys.modules.get("torch._inductor.config")
@@ -81,6 +94,8 @@ def _no_default(entry: Any) -> bool:
     the other config loads, so counting it made the fingerprint depend on whether anything in the
     process had compiled yet: a second model in a process never found its warm artifact. Such an
     entry counts only when the user set it (``user_override``, a ContextVar on torch 2.13).
+
+    Checked on torch 2.11, 2.13: private config entries (``alias``, ``default``, ``user_override``).
     """
     if getattr(entry, "alias", None) is not None:
         return True
@@ -92,7 +107,10 @@ def _no_default(entry: Any) -> bool:
 
 
 def _inductor_env_changes_code(name: str) -> bool:
-    """Whether a ``TORCHINDUCTOR_*`` variable can change generated code (caches, threads: no)."""
+    """Whether a ``TORCHINDUCTOR_*`` variable can change generated code (caches, threads: no).
+
+    Checked on torch 2.11, 2.13: a rule over Inductor's variable names; reads no torch API.
+    """
     if not name.startswith("TORCHINDUCTOR_"):
         return False
     return not any(word in name for word in ("CACHE", "THREADS", "WORKER", "TRACE", "DEBUG"))
@@ -100,7 +118,8 @@ def _inductor_env_changes_code(name: str) -> bool:
 
 def fresh_inductor_cache(directory: str) -> contextlib.AbstractContextManager[None]:
     """Inductor's caches (in memory and on disk) empty for the body, under ``directory``:
-    ``torch._inductor.utils.fresh_cache`` (torch 2.11-2.15), as torch's own tests use it."""
+    ``torch._inductor.utils.fresh_cache``, as torch's own tests use it. Checked on torch 2.11-2.15;
+    no public API."""
     from torch._inductor.utils import fresh_cache
 
     return fresh_cache(dir=directory)
@@ -109,7 +128,10 @@ def fresh_inductor_cache(directory: str) -> contextlib.AbstractContextManager[No
 def standalone_compile(
     graph: torch.fx.GraphModule, inputs: list[Any], dynamic_shapes: str, patches: dict[str, Any]
 ) -> Any:
-    """``torch._inductor.standalone_compile`` across 2.11-2.13."""
+    """``torch._inductor.standalone_compile`` across 2.11-2.13.
+
+    Checked on torch 2.11, 2.13: private (``torch.compiler`` has no standalone compile of a graph).
+    """
     import inspect
 
     from torch._inductor import standalone_compile as compile_
@@ -130,13 +152,17 @@ def standalone_compile(
 
 def preload_inductor() -> None:
     """Import what an Inductor standalone compile imports (about 3 s on a small CPU), so that a
-    compile worker pays it while its parent is still tracing."""
+    compile worker pays it while its parent is still tracing. Checked on torch 2.11, 2.13: imports
+    the private ``torch._inductor`` modules; nothing public to warm instead."""
     import torch._inductor.compile_fx  # noqa: F401
     from torch._inductor import standalone_compile  # noqa: F401
 
 
 def load_compiled_artifact(path: str) -> Any:
-    """Inductor's own loader of a standalone-compile artifact (imports all of Inductor)."""
+    """Inductor's own loader of a standalone-compile artifact (imports all of Inductor).
+
+    Checked on torch 2.11, 2.13: the private ``torch._inductor.CompiledArtifact``; no public loader.
+    """
     from torch._inductor import CompiledArtifact  # type: ignore[attr-defined]
 
     return CompiledArtifact.load(path=path, format="binary")
@@ -145,8 +171,10 @@ def load_compiled_artifact(path: str) -> Any:
 def find_compiled_graph(artifact: Any) -> Any | None:
     """The ``CompiledFxGraph`` inside a standalone-compile artifact, or None.
 
-    There is no public accessor (torch 2.11-2.13): walk the wrapper chain (closures and the
-    ``compiled_fn`` / ``current_callable`` attributes) to the object holding the output code.
+    There is no public accessor: walk the wrapper chain (closures and the ``compiled_fn`` /
+    ``current_callable`` attributes) to the object holding the output code.
+
+    Checked on torch 2.11, 2.13.
     """
     seen: set[int] = set()
     todo: list[Any] = [artifact]
@@ -174,6 +202,8 @@ def kernel_env() -> dict[str, str]:
 
     torch 2.13 kernels find ``THPVariable_Unpack``-like helpers through this variable (set by
     ``CppPythonBindingsCodeCache``); torch 2.11 kernels need nothing.
+
+    Checked on torch 2.11, 2.13: the private ``torch._C._dynamo.guards`` pointer; no public API.
     """
     guards = getattr(torch._C, "_dynamo", None)
     pointer = getattr(getattr(guards, "guards", None), "_torchinductor_pyobject_tensor_data_ptr", None)
@@ -181,7 +211,10 @@ def kernel_env() -> dict[str, str]:
 
 
 def extern_kernels() -> Any:
-    """Inductor's namespace of extern kernels (``select_algorithm.extern_kernels``)."""
+    """Inductor's namespace of extern kernels (``select_algorithm.extern_kernels``).
+
+    Checked on torch 2.11, 2.13: private; what Inductor's generated code calls, no public name.
+    """
     from torch._inductor.select_algorithm import extern_kernels as namespace
 
     return namespace
@@ -194,6 +227,8 @@ def vec_isa_candidates() -> tuple[str, ...]:
     ``cpu_vec_isa.valid_vec_isa_list`` (torch 2.11-2.13) also compiles and loads a test program
     per candidate in a subprocess (~1 s warm, ~8 s on an empty Inductor cache). Uses its
     ``supported_vec_isa_list`` and ``x86_isa_checker``; anything unexpected gives ().
+
+    Checked on torch 2.11, 2.13: private ``torch._inductor.cpu_vec_isa``; no public API.
     """
     try:
         import platform
@@ -214,7 +249,10 @@ def vec_isa_candidates() -> tuple[str, ...]:
 
 
 def picked_vec_isa() -> str:
-    """The ISA Inductor generates CPU code for in this process (runs its probe if not yet run)."""
+    """The ISA Inductor generates CPU code for in this process (runs its probe if not yet run).
+
+    Checked on torch 2.11, 2.13: private ``cpu_vec_isa.pick_vec_isa``; no public API.
+    """
     from torch._inductor import cpu_vec_isa
 
     return str(cpu_vec_isa.pick_vec_isa())
@@ -222,7 +260,10 @@ def picked_vec_isa() -> str:
 
 @contextlib.contextmanager
 def trusted_vec_isa(trust: bool) -> Iterator[None]:
-    """Skip Inductor's per-process ISA probe when an earlier probe on this machine agreed with the flags."""
+    """Skip Inductor's per-process ISA probe when an earlier probe on this machine agreed with the flags.
+
+    Checked on torch 2.11, 2.13: the private ``cpp.vec_isa_ok`` setting; no public way to skip it.
+    """
     if not trust:
         yield
         return
@@ -232,7 +273,8 @@ def trusted_vec_isa(trust: bool) -> Iterator[None]:
 
 def custom_graph_pass_base() -> type:
     """``torch._inductor.custom_graph_pass.CustomGraphPass`` (torch 2.11-2.15): the base of a pass
-    Inductor runs post-grad and keys its FX graph cache on (``uuid()``)."""
+    Inductor runs post-grad and keys its FX graph cache on (``uuid()``). Checked on torch
+    2.11-2.15: private module; no public base class."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass

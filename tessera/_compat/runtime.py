@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 # The hook dicts nn.Module.__call__ reads (torch 2.11-2.13, torch/nn/modules/module.py): tessera
 # calls the root's forward directly, so it runs the root's hooks itself, in the same order.
 def global_module_hooks() -> bool:
+    """Whether any global forward or backward module hook is registered.
+
+    Checked on torch 2.11, 2.13: the private ``_global_*_hooks`` dicts; no public accessor.
+    """
     return bool(
         nn_module._global_forward_pre_hooks
         or nn_module._global_forward_hooks
@@ -30,25 +34,32 @@ def global_module_hooks() -> bool:
 
 
 def global_backward_hooks() -> bool:
+    """Whether any global backward or pre-backward module hook is registered.
+
+    Checked on torch 2.11, 2.13: the private ``_global_backward*_hooks`` dicts; no public accessor.
+    """
     return bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
 
 def has_forward_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` has forward or pre-forward hooks of its own (``Module._forward_hooks``
-    and ``_forward_pre_hooks``, torch 2.11-2.15; no public accessor)."""
+    and ``_forward_pre_hooks``; no public accessor). Checked on torch 2.11-2.15."""
     return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 def has_backward_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` has backward or pre-backward hooks of its own (``Module._backward_hooks``
-    and ``_backward_pre_hooks``, torch 2.11-2.15; no public accessor)."""
+    and ``_backward_pre_hooks``; no public accessor). Checked on torch 2.11-2.15."""
     return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
 def forward_hooks(
     module: torch.nn.Module,
 ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]], set[int], set[int]]:
-    """(pre-hooks, hooks, pre-hook ids taking kwargs, hook ids taking kwargs), globals first."""
+    """(pre-hooks, hooks, pre-hook ids taking kwargs, hook ids taking kwargs), globals first.
+
+    Checked on torch 2.11, 2.13: the private hook dicts ``nn.Module.__call__`` reads; no public API.
+    """
     from torch.nn.modules import module as nn_module
 
     pre_hooks = [*nn_module._global_forward_pre_hooks.items(), *module._forward_pre_hooks.items()]
@@ -60,10 +71,12 @@ def forward_hooks(
 
 # -- torch's structured trace (TORCH_TRACE, read by tlparse) ---------------------------------------
 def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = True) -> None:
-    """An artifact in torch's structured trace (``torch._logging.trace_structured``, 2.11-2.13).
+    """An artifact in torch's structured trace (``torch._logging.trace_structured``).
 
     Costs a handler check when ``TORCH_TRACE`` is not set. ``in_compile``: emitted inside
     Dynamo's compile of the model (attributed to its compile id).
+
+    Checked on torch 2.11, 2.13: private; no public way to add to ``TORCH_TRACE``.
     """
     from torch._logging import trace_structured  # type: ignore[attr-defined]
 
@@ -85,6 +98,8 @@ def join_before_pools_shut(thread: threading.Thread) -> None:
     modules are imported before ours is registered, so ours runs before theirs.
     (``threading._register_atexit`` is private to CPython; without it, the compile may fail at exit,
     which is logged, and the next process compiles what is missing.)
+
+    Checked on torch 2.11, 2.13; reads no torch API (the private part is CPython's).
     """
     import concurrent.futures.process
     import concurrent.futures.thread  # noqa: F401

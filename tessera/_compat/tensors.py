@@ -14,7 +14,11 @@ log = logging.getLogger(__name__)
 
 
 def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two (real or fake) tensors are views of one storage."""
+    """Whether two (real or fake) tensors are views of one storage.
+
+    Checked on torch 2.11, 2.13: the private ``UntypedStorage._cdata``; a fake tensor's public
+    ``data_ptr`` is 0 (and warns), so it cannot tell storages apart.
+    """
     try:
         return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
@@ -22,16 +26,27 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def sym_expr(value: torch.SymInt) -> Any:
-    """The sympy expression behind a SymInt (``SymInt.node.expr``, torch 2.11-2.13)."""
+    """The sympy expression behind a SymInt (``SymInt.node.expr``).
+
+    Checked on torch 2.11, 2.13: private; no public sympy view of a SymInt.
+    """
     return value.node.expr
 
 
 def is_constant_symint(value: torch.SymInt) -> bool:
+    """Whether a SymInt's expression has no free symbols (a constant).
+
+    Checked on torch 2.11, 2.13: through the private ``SymInt.node.expr`` (``sym_expr``).
+    """
     return not sym_expr(value).free_symbols
 
 
 def size_hint(value: int | torch.SymInt) -> int:
-    """The example value behind a size or stride: a SymInt's hint, an int itself."""
+    """The example value behind a size or stride: a SymInt's hint, an int itself.
+
+    Checked on torch 2.11, 2.13: ``symbolic_shapes.optimization_hint`` (2.13) or ``hint_int``
+    (2.11) of ``torch.fx.experimental``; no stable public API.
+    """
     if isinstance(value, int):
         return value
     try:  # torch 2.13 renamed hint_int to optimization_hint
@@ -43,7 +58,8 @@ def size_hint(value: int | torch.SymInt) -> int:
 
 def version_counter(tensor: torch.Tensor) -> int:
     """A tensor's version counter, which an in-place write bumps (``Tensor._version``, torch
-    2.11-2.15; no public accessor); -1 for an inference tensor, which has none."""
+    2.11-2.15; no public accessor); -1 for an inference tensor, which has none.
+    Checked on torch 2.11-2.15."""
     try:
         return int(tensor._version)
     except RuntimeError:  # an inference tensor has no version counter (nor can it be written)
@@ -52,33 +68,51 @@ def version_counter(tensor: torch.Tensor) -> int:
 
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` views another's storage (``Tensor._is_view``, torch 2.11-2.15; fake
-    tensors answer as the real ones would)."""
+    tensors answer as the real ones would). Checked on torch 2.11-2.15; no public accessor."""
     return bool(tensor._is_view())
 
 
-# The classes of ``torch.ops.ns.op`` and ``torch.ops.ns.op.overload`` (torch._ops, 2.11-2.13).
+# The classes of ``torch.ops.ns.op.overload`` and ``torch.ops.ns.op``.
+# Checked on torch 2.11, 2.13: private ``torch._ops``; no public name for either class.
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 
 
 def op_schema_name(op: torch._ops.OpOverload) -> str:
-    """``ns::op`` of an overload (``OpOverload._schema.name``, torch 2.11-2.13)."""
+    """``ns::op`` of an overload (``OpOverload._schema.name``).
+
+    Checked on torch 2.11, 2.13: private; the public ``name()`` adds the overload (not for default).
+    """
     return op._schema.name  # type: ignore[no-any-return]
 
 
 def overload_of(op: torch._ops.OpOverload) -> str:
-    """The overload's own name (``default``, ``Tensor``): ``OpOverload._overloadname``."""
+    """The overload's own name (``default``, ``Tensor``): ``OpOverload._overloadname``.
+
+    Checked on torch 2.11, 2.13: private; no public accessor.
+    """
     return op._overloadname  # type: ignore[no-any-return]
 
 
 def op_overload_name(op: torch._ops.OpOverload) -> str:
+    """``ns::op.overload``, ``.default`` included (the public ``OpOverload.name()`` drops it).
+
+    Checked on torch 2.11, 2.13: through the private ``_schema.name`` and ``_overloadname``.
+    """
     return f"{op_schema_name(op)}.{overload_of(op)}"
 
 
 def op_is_mutable(op: torch._ops.OpOverload) -> bool:
-    """Whether the op writes any argument (``OpOverload._schema.is_mutable``, torch 2.11-2.13)."""
+    """Whether the op writes any argument (``OpOverload._schema.is_mutable``).
+
+    Checked on torch 2.11, 2.13: private ``_schema``; no public accessor.
+    """
     return bool(op._schema.is_mutable)
 
 
 def packet_name(op: torch._ops.OpOverloadPacket) -> str:
+    """``ns::op`` of an op packet (``torch.ops.aten.add``).
+
+    Checked on torch 2.11, 2.13: the private ``OpOverloadPacket._qualified_op_name``; no public one.
+    """
     return op._qualified_op_name  # type: ignore[no-any-return]
