@@ -10,6 +10,7 @@ call that differs is explained by name, or normalised when only its syntax diffe
 from __future__ import annotations
 
 import ast
+import enum
 import functools
 import math
 import re
@@ -40,15 +41,32 @@ class GradientsNotSupportedError(TesseraError):
     """A call whose result would need gradients: tessera compiles inference graphs only."""
 
 
+class Kind(enum.Enum):
+    """What an assumption is about: what a call that breaks it may be served by."""
+
+    TYPE = "type"
+    DTYPE = "dtype"
+    DEVICE = "device"
+    RANK = "number of dims"
+    SHAPE = "shape"  # a tensor's whole shape (parameters, inputs without a dynamic dim)
+    SIZE = "size"  # one static dim of an input tensor (``dim``)
+    LAYOUT = "layout"  # an input tensor's strides or their order: copied into it when they differ
+    VALUE = "value"
+    STATE = "state"  # Python state read from an argument (a StaticCache length), sizes' relations
+    FLOOR = "floor"  # ``size >= 2`` on a dynamic dim (``dim``): smaller sizes get their own trace
+    OTHER = "other"  # identity, length, keys, attributes present: a trace of its own
+
+
 @dataclass(frozen=True)
 class Assumption:
     """One thing the trace depended on: ``expr`` (over ``args``/``kwargs``) evaluates to ``expected``."""
 
     expr: str
     expected: Any
-    label: str  # e.g. "input_ids: dtype"
-    state: bool = False  # Python state Dynamo read from an argument object (a StaticCache length)
-    floor: bool = False  # Dynamo's ``2 <= size`` on a dynamic dim: smaller sizes get their own trace
+    label: str  # e.g. "input_ids: dtype", for people
+    kind: Kind = Kind.OTHER
+    path: str = ""  # the value it reads (``args[0]``, ``kwargs['cache'][1]``), when it reads one
+    dim: int | None = None  # the dim of ``path`` a SIZE or FLOOR assumption is about
 
 
 @dataclass(frozen=True)
@@ -92,8 +110,8 @@ class CallSpec:
                 found = _Missing(f"{type(e).__name__}: {e}")
             if not same_value(found, assumption.expected):
                 out.append((assumption, found))
-                if assumption.expr.startswith("type(") and assumption.expr.endswith(")"):
-                    wrong_type.append(assumption.expr[5:-1])
+                if assumption.kind is Kind.TYPE:
+                    wrong_type.append(assumption.path)
         return out
 
 
@@ -219,31 +237,34 @@ def local_expression(code: str) -> str | None:
 def _describe(
     path: str, value: Any, name: str, dynamic: Callable[[str], frozenset[int]], depth: int
 ) -> Iterator[Assumption]:
+    def of(expr: str, expected: Any, what: str, kind: Kind, dim: int | None = None) -> Assumption:
+        return Assumption(expr, expected, f"{name}: {what}", kind, path, dim)
+
     if isinstance(value, torch.Tensor):
-        yield Assumption(f"type({path})", type(value), f"{name}: type")
-        yield Assumption(f"{path}.dtype", value.dtype, f"{name}: dtype")
-        yield Assumption(f"{path}.device", value.device, f"{name}: device")
-        yield Assumption(f"{path}.dim()", value.dim(), f"{name}: number of dims")
+        yield of(f"type({path})", type(value), "type", Kind.TYPE)
+        yield of(f"{path}.dtype", value.dtype, "dtype", Kind.DTYPE)
+        yield of(f"{path}.device", value.device, "device", Kind.DEVICE)
+        yield of(f"{path}.dim()", value.dim(), "number of dims", Kind.RANK)
         dims = dynamic(path)
         for d, size in enumerate(value.shape):
             if d not in dims:
-                yield Assumption(f"{path}.shape[{d}]", int(size), f"{name}: size of dim {d} (static)")
+                yield of(f"{path}.shape[{d}]", int(size), f"size of dim {d} (static)", Kind.SIZE, d)
     elif isinstance(value, _SCALARS):
         # The type too: the check compares with ==, and 2 == 2.0 == True, though the trace of
         # `x * alpha` gives an int tensor for one and a float tensor for the other.
-        yield Assumption(f"type({path})", type(value), f"{name}: type")
-        yield Assumption(path, value, f"{name}: value")
+        yield of(f"type({path})", type(value), "type", Kind.TYPE)
+        yield of(path, value, "value", Kind.VALUE)
     elif isinstance(value, (tuple, list)) and depth < _MAX_DEPTH:
-        yield Assumption(f"type({path})", type(value), f"{name}: type")
-        yield Assumption(f"len({path})", len(value), f"{name}: length")
+        yield of(f"type({path})", type(value), "type", Kind.TYPE)
+        yield of(f"len({path})", len(value), "length", Kind.OTHER)
         for i, item in enumerate(value):
             yield from _describe(f"{path}[{i}]", item, f"{name}[{i}]", dynamic, depth + 1)
     elif type(value) is dict and depth < _MAX_DEPTH and all(isinstance(k, str) for k in value):
-        yield Assumption(f"tuple({path})", tuple(value), f"{name}: keys")
+        yield of(f"tuple({path})", tuple(value), "keys", Kind.OTHER)
         for key, item in value.items():
             yield from _describe(f"{path}[{key!r}]", item, f"{name}[{key!r}]", dynamic, depth + 1)
     else:
-        yield Assumption(f"type({path})", type(value), f"{name}: type")
+        yield of(f"type({path})", type(value), "type", Kind.TYPE)
 
 
 def _argument_chain(node: ast.AST) -> list[ast.Subscript] | None:
@@ -406,7 +427,7 @@ def make_predicate(
 def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
     """A function of ``(args, kwargs)`` returning every tensor the trace read (arguments, nested
     ones, the model's parameters and buffers, globals): what decides whether a result needs grad."""
-    exprs = [_key_safe(a.expr[: -len(".dtype")]) for a in spec.assumptions if a.label.endswith(": dtype")]
+    exprs = [_key_safe(a.path) for a in spec.assumptions if a.kind is Kind.DTYPE]
     source = (
         "def tensors(args, kwargs):\n"
         "    out = []\n"
@@ -429,26 +450,19 @@ def explain_state(expected: Sequence[Any], found: Sequence[Any]) -> str:
     return "; ".join(parts) or "global state differs"
 
 
-_LAYOUT_PATH = re.compile(
-    r"^(?:_layout\()?(args)\[(\d+)\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
-    r"|^(?:_layout\()?(kwargs)\['([^'\\]*)'\]\)?(?:\.is_contiguous\(\)|\.stride\(\))?$"
-)
+_ARGUMENT = re.compile(r"^(args)\[(\d+)\]$|^(kwargs)\['([^'\\]*)'\]$")
 
 
 def layout_path(assumption: Assumption) -> tuple[str, str] | None:
     """``("args", "0")`` / ``("kwargs", "x")`` when ``assumption`` is about the layout of a
     top-level argument (the ones tessera may copy into the traced layout), else None."""
-    if ": layout" not in assumption.label:
+    if assumption.kind is not Kind.LAYOUT:
         return None
-    match = _LAYOUT_PATH.match(assumption.expr)
+    match = _ARGUMENT.match(assumption.path)
     if match is None:
         return None
     groups = [g for g in match.groups() if g is not None]
     return groups[0], groups[1]
-
-
-def describe_tensor(tensor: torch.Tensor) -> str:
-    return short_repr(tensor)
 
 
 def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
@@ -464,14 +478,14 @@ def advice(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
     if not mismatches:
         return "pass the arguments as an earlier call did"
     assumption = mismatches[0][0]
-    if ": layout" in assumption.label:
+    if assumption.kind is Kind.LAYOUT:
         return "pass a tensor in the traced layout (.contiguous() for most)"
     if assumption.label.startswith(("model.", "function.")):
         return (
             "the model changed after tessera.compile (a parameter's dtype or device, a setting): "
             "compile it again"
         )
-    if "size of dim" in assumption.label or assumption.label.endswith(": shape"):
+    if assumption.kind in (Kind.SIZE, Kind.SHAPE):
         return "mark the dims that vary dynamic (dynamic_dims={...}), or pad inputs to fewer shapes"
     return "convert the input to what an earlier call passed"
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tessera._compat import GuardFact, local_source_name
-from tessera.call_check import Assumption, local_expression
+from tessera.call_check import Assumption, Kind, local_expression
 from tessera.errors import UnsupportedModelError
 from tessera.layout import layout_of
 
@@ -95,7 +95,8 @@ _SCALARS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torc
 # Dynamo's 0/1 specialisation: a dynamic size is traced as ``>= 2`` (``2 <= s0``), and code that
 # behaves differently at 1 (``x.squeeze()``, ``if q_len > 1``) is traced for the larger sizes only.
 # The floor is checked; a call under it is served by a trace for its own small size (api.py).
-_SIZE_FLOOR = re.compile(r"^2 <= [\w\[\]'.()]+\.size\(\)\[\d+\]$")
+# Dynamo's floor on a dynamic dim, in its own words: the one place its text is read for a path.
+_SIZE_FLOOR = re.compile(r"^2 <= (?P<path>[\w\[\]'.()]+)\.size\(\)\[(?P<dim>\d+)\]$")
 
 
 @dataclass(frozen=True)
@@ -159,33 +160,50 @@ class _Builder:
             self.parents.append(parent)
         return f"_o{self.parents.index(parent)}{tail}"
 
-    def add(self, expr: str, expected: Any, label: str, state: bool = False) -> None:
-        self.assumptions.append(Assumption(expr, expected, label, state=state))
+    def add(
+        self,
+        expr: str,
+        expected: Any,
+        label: str,
+        kind: Kind = Kind.OTHER,
+        path: str = "",
+        dim: int | None = None,
+    ) -> None:
+        self.assumptions.append(Assumption(expr, expected, label, kind, path, dim))
 
     def tensor(self, expr: str, name: str, value: torch.Tensor, root: str, label: str) -> None:
-        self.add(f"type({expr})", type(value), f"{label}: type")
-        self.add(f"{expr}.dtype", value.dtype, f"{label}: dtype")
-        self.add(f"{expr}.device", value.device, f"{label}: device")
+        self.add(f"type({expr})", type(value), f"{label}: type", Kind.TYPE, expr)
+        self.add(f"{expr}.dtype", value.dtype, f"{label}: dtype", Kind.DTYPE, expr)
+        self.add(f"{expr}.device", value.device, f"{label}: device", Kind.DEVICE, expr)
         symbolic = self.symbolic.get(name, (False,) * value.dim())
         if root != "input" or not any(symbolic):
-            self.add(f"{expr}.shape", value.shape, f"{label}: shape")
+            self.add(f"{expr}.shape", value.shape, f"{label}: shape", Kind.SHAPE, expr)
         else:
-            self.add(f"{expr}.dim()", value.dim(), f"{label}: number of dims")
+            self.add(f"{expr}.dim()", value.dim(), f"{label}: number of dims", Kind.RANK, expr)
             for d, size in enumerate(value.shape):
                 if not symbolic[d]:
-                    self.add(f"{expr}.shape[{d}]", int(size), f"{label}: size of dim {d} (static)")
+                    self.add(
+                        f"{expr}.shape[{d}]",
+                        int(size),
+                        f"{label}: size of dim {d} (static)",
+                        Kind.SIZE,
+                        expr,
+                        d,
+                    )
         if root != "input":
             return  # a parameter or buffer: its layout is the model's own, fixed once compiled
         if value.is_contiguous():
-            self.add(f"{expr}.is_contiguous()", True, f"{label}: layout (contiguous)")
+            self.add(f"{expr}.is_contiguous()", True, f"{label}: layout (contiguous)", Kind.LAYOUT, expr)
         elif not any(symbolic):
-            self.add(f"{expr}.stride()", value.stride(), f"{label}: layout (strides)")
+            self.add(f"{expr}.stride()", value.stride(), f"{label}: layout (strides)", Kind.LAYOUT, expr)
         else:
-            self.add(f"_layout({expr})", layout_of(value), f"{label}: layout (stride order)")
+            self.add(
+                f"_layout({expr})", layout_of(value), f"{label}: layout (stride order)", Kind.LAYOUT, expr
+            )
 
     def value(self, expr: str, value: Any, label: str, state: bool) -> None:
-        self.add(f"type({expr})", type(value), f"{label}: type")
-        self.add(expr, value, f"{label}: value", state=state)
+        self.add(f"type({expr})", type(value), f"{label}: type", Kind.TYPE, expr)
+        self.add(expr, value, f"{label}: value", Kind.STATE if state else Kind.VALUE, expr)
 
     def fact(self, fact: GuardFact) -> None:
         root = root_of(fact.name)
@@ -219,10 +237,10 @@ class _Builder:
         elif kind in _IDENTITY_KINDS and fact.has_value and not self._structure(kind, root, value):
             self.add(expr, value, f"{label}: identity")
         elif kind == "TYPE_MATCH" and fact.has_value and not self._structure(kind, root, value):
-            self.add(f"type({expr})", type(value), f"{label}: type")
+            self.add(f"type({expr})", type(value), f"{label}: type", Kind.TYPE, expr)
         elif kind == "SEQUENCE_LENGTH" and fact.has_value and root != "global":
-            self.add(f"type({expr})", type(value), f"{label}: type")
-            self.add(f"len({expr})", len(value), f"{label}: length")
+            self.add(f"type({expr})", type(value), f"{label}: type", Kind.TYPE, expr)
+            self.add(f"len({expr})", len(value), f"{label}: length", Kind.OTHER, expr)
         elif kind in ("DICT_KEYS_MATCH", "DICT_KEYS") and fact.has_value and root == "input":
             self.add(f"list({expr}.keys())", list(value.keys()), f"{label}: keys")
         elif kind == "CLOSURE_MATCH" and fact.has_value and getattr(value, "__closure__", None):
@@ -324,7 +342,7 @@ class _Builder:
                 if symbol in first:
                     expr = f"{here} == {first[symbol]}"
                     self.add(
-                        expr, True, f"sizes: {self.label(name)} dim {d} equals {first[symbol]}", state=True
+                        expr, True, f"sizes: {self.label(name)} dim {d} equals {first[symbol]}", Kind.STATE
                     )
                 else:
                     first[symbol] = here
@@ -336,10 +354,11 @@ class _Builder:
                 # A guard on a view's base: what the view came from, not what the graph computes.
                 self.dropped["shape guards on a view's base or outside the arguments"] += 1
                 continue
-            if _SIZE_FLOOR.match(expr):
-                self.assumptions.append(Assumption(expr, True, f"sizes: {expr}", floor=True))
+            floor = _SIZE_FLOOR.match(expr)
+            if floor is not None:
+                self.add(expr, True, f"sizes: {expr}", Kind.FLOOR, floor["path"], int(floor["dim"]))
                 continue
-            self.add(expr, True, f"sizes: {expr}", state=True)
+            self.add(expr, True, f"sizes: {expr}", Kind.STATE)
 
 
 def translate(

@@ -19,7 +19,7 @@ def refuse_if_grad_needed(name: str, owner: Any, tensors: Any) -> None:
     if needing is None:
         return
     names = {id(p): n for n, p in owner.named_parameters()} if isinstance(owner, torch.nn.Module) else {}
-    what = f"parameter {names[id(needing)]}" if id(needing) in names else call_check.describe_tensor(needing)
+    what = f"parameter {names[id(needing)]}" if id(needing) in names else call_check.short_repr(needing)
     raise call_check.GradientsNotSupportedError(
         f"{name}: called with grad enabled and {what} requires grad, so eager's result "
         "would carry gradients. tessera "

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, dynamo_guards, validation
+from tessera.call_check import Kind
 from tessera.wrapper import DynamicChoice, choose_dynamic_dims, mark_dynamic
 
 
@@ -91,12 +92,15 @@ def widened(
     dims, nested, state = list(plan.dims), list(plan.nested), list(plan.state)
     apart = set(plan.apart)
     for assumption, found in mismatches:
-        floor = _floor_parts(assumption.expr)
-        if assumption.floor and floor is not None:
-            path, dim = floor
+        if assumption.kind is Kind.FLOOR and assumption.dim is not None:
+            path, dim = assumption.path, assumption.dim
             apart.add((names[path], dim) if path in names else (path, dim))
             continue
-        if assumption.state and validation.is_int(assumption.expected) and validation.is_int(found):
+        if (
+            assumption.kind is Kind.STATE
+            and validation.is_int(assumption.expected)
+            and validation.is_int(found)
+        ):
             if _compat.supports_dynamic_state() and assumption.expr not in state:
                 state.append(assumption.expr)
             continue
@@ -173,30 +177,13 @@ def hinted(values: dict[str, Any], choice: DynamicChoice) -> bool:
     return bool(small_dims(values, choice))
 
 
-# ``2 <= args[0].size()[1]`` (Dynamo's floor) and ``args[0].shape[1] >= 2`` (ours, size_floors).
-_FLOOR = re.compile(
-    r"^(?:\d+ <= (?P<path>.+?)\.size\(\)\[(?P<dim>\d+)\]|(?P<p2>.+?)\.shape\[(?P<d2>\d+)\] >= \d+)$"
-)
-_SHAPE = re.compile(r"^(?P<path>(?:args|kwargs)\[.+?)\.shape(?:\[(?P<dim>\d+)\])?$")
-
-
-def _floor_parts(expr: str) -> tuple[str, int] | None:
-    match = _FLOOR.match(expr)
-    if match is None:
-        return None
-    if match.group("path") is not None:
-        return match.group("path"), int(match.group("dim"))
-    return match.group("p2"), int(match.group("d2"))
-
-
 def changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[str, int]]:
     """The (path, dim) of each static size of an argument's tensor this call changed."""
-    match = _SHAPE.match(assumption.expr)
-    if match is None:
-        return []
-    path = match.group("path")
-    if match.group("dim") is not None:
-        return [(path, int(match.group("dim")))] if validation.is_int(found) else []
+    path = assumption.path
+    if assumption.kind not in (Kind.SIZE, Kind.SHAPE) or not path.startswith(("args[", "kwargs[")):
+        return []  # not a size, or one of the model's own tensors
+    if assumption.kind is Kind.SIZE:
+        return [(path, assumption.dim)] if validation.is_int(found) and assumption.dim is not None else []
     expected = assumption.expected
     if not isinstance(found, torch.Size) or len(found) != len(expected):
         return []  # another rank: a trace of its own, nothing made dynamic
@@ -224,7 +211,9 @@ def size_floors(
                     f"{name}.shape[{d}] >= {low}",
                     True,
                     f"sizes: {label(name)} dim {d} >= {low} ({why})",
-                    floor=True,
+                    Kind.FLOOR,
+                    name,
+                    d,
                 )
             )
     return tuple(out)

@@ -74,7 +74,7 @@ def changed_since_every_entry(
         changed.extend(
             (assumption, found)
             for assumption, found in entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-            if not assumption.floor
+            if assumption.kind is not call_check.Kind.FLOOR
         )
     return changed
 

@@ -175,7 +175,9 @@ class Traces:
             return
         kept = {a.expr for a in new.spec.assumptions}
         if all(
-            not a.floor and not a.state and changed_dims(a, found) and a.expr not in kept
+            a.kind not in (call_check.Kind.FLOOR, call_check.Kind.STATE)
+            and changed_dims(a, found)
+            and a.expr not in kept
             for a, found in mismatches
         ):
             self.entries = tuple(e for e in self.entries if e is not old)

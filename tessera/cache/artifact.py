@@ -46,10 +46,11 @@ from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 from tessera.portable import PortableCode, resolve_globals
 
-# 9: one artifact holds every trace of one graph (variants); 8: PortableCode binds every global
+# 10: an assumption says its kind, path and dim (call_check.Kind); 9: one artifact holds every
+# trace of one graph (variants); 8: PortableCode binds every global
 # Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
 # from each module; 7: the pickled CallSpec moved
-FORMAT = 9
+FORMAT = 10
 
 
 class _Pickler(pickle.Pickler):
