@@ -27,14 +27,14 @@ import torch
 
 from tessera import _compat, call_check, counters, hooks, validation
 from tessera.backend import PiecewiseBackend
-from tessera.cache.entry import cache_root, rank_dir
-from tessera.cache.fleet import fetch_pointer, remote_tier
+from tessera.cache.entry import rank_dir
+from tessera.cache.fleet import cache_places, fetch_pointer
 from tessera.cache.key import fingerprint_record
 from tessera.compile_state import between_compiles
 from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError, UnsupportedModelError
-from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.grad import as_inference, grad_tensors
 from tessera.guarded import record_guarded, start_guarded
 from tessera.piece import PieceRecord
 from tessera.report import CompileReport, GraphReport, counter_delta, model_report, save_report
@@ -327,9 +327,8 @@ class CompiledModel:
             module = self._module
             # The trace sees what the pre-hooks make of the call (stock and none: torch runs them).
             traced = self.compile_config.mode in ("trace_once", "piecewise")
-            if module is not None and traced and hooks.active(module):
-                return hooks.call_with_hooks(module, self._compile_first, args, kwargs)
-            return self._compile_first(*args, **kwargs)
+            first = hooks.around(module, self._compile_first) if traced else self._compile_first
+            return first(*args, **kwargs)
 
     def _compile_first(self, *args: Any, **kwargs: Any) -> Any:
         if RECORDER is not None:  # kept for bisection: a copy, since the caller may reuse its buffers
@@ -379,9 +378,12 @@ class CompiledModel:
         if mode != "stock" and torch.is_grad_enabled():
             # tessera compiles inference graphs: refuse now a call whose result needs gradients,
             # and trace (or start warm) under no_grad a call whose result would not.
-            refuse_if_grad_needed(self.name, self._owner(), grad_tensors((self.model, args, kwargs)))
-            with torch.no_grad():
-                return self._compile(args, kwargs)
+            return as_inference(
+                self.name,
+                self._owner(),
+                lambda: grad_tensors((self.model, args, kwargs)),
+                lambda: self._compile(args, kwargs),
+            )
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
         if mode == "stock":
             from tessera.wrapper import choose_dynamic_dims, mark_dynamic
@@ -417,8 +419,8 @@ class CompiledModel:
     def _make_traces(self) -> Traces:
         config = self.compile_config
         compiler = make_compiler(config.backend)
-        root = None if config.disable_cache else cache_root(config.cache_dir)
-        remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
+        places = cache_places(config)
+        root, remote = places.root, places.remote
         prefix = self.prefix or "model"
         print_ = None
         if root is not None:
@@ -462,15 +464,7 @@ class CompiledModel:
             if self.compile_config.check_inputs
             else entry.fast
         )
-        call = checked
-        module = self._module
-        if module is not None:
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                if hooks.active(module):
-                    return hooks.call_with_hooks(module, checked, args, kwargs)
-                return checked(*args, **kwargs)
-
+        call = hooks.around(self._module, checked)
         self._calls[id(entry)] = (entry, call)
         self._move(call=call, spec=entry.spec)
 

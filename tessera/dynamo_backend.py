@@ -99,8 +99,7 @@ class GraphCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         from tessera.build import from_trace
-        from tessera.cache.entry import cache_root
-        from tessera.cache.fleet import remote_tier
+        from tessera.cache.fleet import cache_places
         from tessera.compilers import make_compiler, stock_backend
 
         reason, source, graph_break = _compat.graph_compile_reason(gm)
@@ -116,11 +115,16 @@ class GraphCompiler:
         # Dynamo's guarded path compiles as Dynamo asks, up front: a background thread would
         # compile while Dynamo traces other frames of this process.
         config = self._config_for(gm, example_inputs).replace(background_compile=False)
-        root = None if config.disable_cache else cache_root(config.cache_dir)
-        remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
+        places = cache_places(config)
         with torch.no_grad():  # nothing requires grad: the graph is an inference graph
             backend = from_trace(
-                gm, example_inputs, config, make_compiler(config.backend), root, self.prefix, remote=remote
+                gm,
+                example_inputs,
+                config,
+                make_compiler(config.backend),
+                places.root,
+                self.prefix,
+                remote=places.remote,
             )
         assert backend.split_forward is not None
         compiled = backend.split_forward

@@ -4,12 +4,27 @@ gradients is refused, and one whose result would not runs its graph under ``no_g
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from tessera import call_check
+
+T = TypeVar("T")
+
+
+def as_inference(name: str, owner: Any, tensors: Callable[[], Iterable[Any]], run: Callable[[], T]) -> T:
+    """The grad policy, the one copy (a traced model's first call, its later calls, the guarded
+    path): with grad enabled, refuse a call one of whose ``tensors()`` requires grad, and run any
+    other under ``no_grad`` (its inference graph gives eager's result); with grad off, just run.
+    ``torch.compile(backend="tessera")`` differs on purpose (dynamo_backend.py): Dynamo hands it a
+    graph that must carry gradients, and torch's own backend compiles that one instead."""
+    if not torch.is_grad_enabled():
+        return run()
+    refuse_if_grad_needed(name, owner, tensors())
+    with torch.no_grad():
+        return run()
 
 
 def refuse_if_grad_needed(name: str, owner: Any, tensors: Any) -> None:

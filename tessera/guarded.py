@@ -18,7 +18,7 @@ from tessera.backend import PiecewiseBackend
 from tessera.cache import pointer
 from tessera.config import CompileConfig
 from tessera.errors import TesseraWarning
-from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.grad import as_inference, grad_tensors
 from tessera.report import GraphReport
 from tessera.trace_entry import TraceContext
 from tessera.wrapper import DynamicChoice, entry_frame, mark_dynamic
@@ -48,16 +48,12 @@ def start_guarded(
     compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():  # as the one-graph path: refused, or run as inference
-            refuse_if_grad_needed(name, module, grad_tensors((args, kwargs)))
-            with torch.no_grad():
-                return compiled(target, *args, **kwargs)
-        return compiled(target, *args, **kwargs)
+        # As the one-graph path: refused, or run as inference.
+        return as_inference(
+            name, module, lambda: grad_tensors((args, kwargs)), lambda: compiled(target, *args, **kwargs)
+        )
 
-    def served(*args: Any, **kwargs: Any) -> Any:
-        if module is not None and hooks.active(module):
-            return hooks.call_with_hooks(module, run, args, kwargs)
-        return run(*args, **kwargs)
+    served = hooks.around(module, run)
 
     marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
     start = time.perf_counter()

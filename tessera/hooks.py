@@ -25,6 +25,21 @@ def active(module: torch.nn.Module) -> bool:
     )
 
 
+def around(module: torch.nn.Module | None, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` as ``module``'s call: between the root's hooks on every call that has any
+    (hooks may be added or removed at any time). The one wrap of tessera's three callers."""
+    if module is None:
+        return forward
+    root = module
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if active(root):
+            return call_with_hooks(root, forward, args, kwargs)
+        return forward(*args, **kwargs)
+
+    return call
+
+
 def call_with_hooks(
     module: torch.nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -39,7 +40,7 @@ from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
-from tessera.grad import grad_tensors, refuse_if_grad_needed
+from tessera.grad import as_inference, grad_tensors
 from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
 from tessera.trace_plan import (
@@ -397,13 +398,10 @@ class Traces:
     def slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call the last entry's quick check did not pass: grad enabled, another entry's call,
         another structure or layout, or one no entry covers (traced, or refused past the limit)."""
-        if torch.is_grad_enabled():
-            last = self.last
-            if last is not None:
-                refuse_if_grad_needed(self.model.name, self.model.owner, last.tensors(args, kwargs))
-            refuse_if_grad_needed(self.model.name, self.model.owner, grad_tensors((args, kwargs)))
-            with torch.no_grad():  # nothing needs grad: the inference graph gives eager's result
-                return self.route(args, kwargs)
+        if torch.is_grad_enabled():  # refused, or routed as inference (the one grad policy)
+            read = self.last.tensors(args, kwargs) if self.last is not None else ()  # the trace's
+            tensors = lambda: itertools.chain(read, grad_tensors((args, kwargs)))  # noqa: E731
+            return as_inference(self.model.name, self.model.owner, tensors, lambda: self.route(args, kwargs))
         found = self.shapes.find(args, kwargs)  # a shape served before in another syntax
         if found is not None and any(e is found[0] for e in self.entries):  # not one held back
             entry, n_args, n_kwargs = found

@@ -1,12 +1,13 @@
 """What a process exchanges with the fleet's store around one model: before a warm start, the
 pointer and its entry fetched into the local cache (``fetch_pointer``); after a trace, the entry
-and the pointer published (``publish``); and the tier a config names (``remote_tier``)."""
+and the pointer published (``publish``); and the local root and the tier a config names
+(``cache_places``)."""
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera.cache import trust
 from tessera.cache.blobstore import (
@@ -21,7 +22,8 @@ from tessera.cache.remote import RemoteTier, model_record
 from tessera.errors import ConfigError
 from tessera.validation import OBJECT_STORE_SCHEMES, env_seconds
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from tessera.config import CompileConfig
 
 
 def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
@@ -70,6 +72,24 @@ def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown:
     if not grown and not learnt and not plan and remote.has_pointer(fingerprint, entry.path, relative):
         return
     remote.publish_pointer(fingerprint, entry.path, relative, key, prefix, learnt, plan)
+
+
+@dataclass(frozen=True)
+class CachePlaces:
+    """Where a model's compiles are kept: the local root (None: the cache is off) and the fleet's
+    remote tier behind it (None: none named, or the cache is off)."""
+
+    root: Path | None
+    remote: RemoteTier | None
+
+
+def cache_places(config: CompileConfig) -> CachePlaces:
+    """The one reading of a config's cache settings (``tessera.compile`` and the Dynamo backend)."""
+    from tessera.cache.entry import cache_root
+
+    root = None if config.disable_cache else cache_root(config.cache_dir)
+    remote = remote_tier(config.cache_remote, config.cache_remote_leases) if root is not None else None
+    return CachePlaces(root, remote)
 
 
 def remote_tier(url: str | None, leases: str | None = None) -> RemoteTier | None:
