@@ -1,12 +1,12 @@
-"""A model's pieces built from Dynamo's traced graph: what Dynamo is given (``GraphReceiver``), the
-split at the splitting ops, the cache entry, every piece compiled or loaded now or left for the
-background compile (schedule.py), and the runners swapped into the split module.
+"""A model's pieces built from Dynamo's traced graph (``from_trace``, called by
+``receiver.GraphReceiver``, what Dynamo is given): the split at the splitting ops, the cache entry,
+every piece compiled or loaded now or left for the background compile (schedule.py), and the
+runners swapped into the split module.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import warnings
@@ -59,57 +59,6 @@ from tessera.split import (
 from tessera.work import Job, PieceWork
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class GraphReceiver:
-    """What Dynamo calls with the traced graph (the backend it is given): builds the model's
-    ``PiecewiseBackend`` from that graph, whole (``PiecewiseBackend.from_trace``), once."""
-
-    config: CompileConfig
-    compiler: Compiler
-    cache_root: Path | None
-    prefix: str
-    remote: RemoteTier | None = None
-    serve_traced: bool = False
-    # The model's backends by graph (and call state): a trace whose graph is one of them shares
-    # its pieces instead of splitting and compiling again (None: never shared).
-    shared: dict[str, PiecewiseBackend] | None = None
-    backend: PiecewiseBackend | None = None  # None until Dynamo has called
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        # The inputs' strides too: a compiled piece assumes the layouts it was compiled for.
-        strides = [
-            tuple(map(str, v.stride())) if isinstance(v, torch.Tensor) else None for v in example_inputs
-        ]
-        key = f"{graph_signature(gm)}:{strides}:{_compat.call_state()!r}"
-        existing = self.shared.get(key) if self.shared is not None else None
-        if existing is not None and existing.split_forward is not None:
-            counters.bump("graphs_shared")
-            self.backend = existing
-            return existing.split_forward
-        backend = from_trace(
-            gm,
-            example_inputs,
-            self.config,
-            self.compiler,
-            self.cache_root,
-            self.prefix,
-            remote=self.remote,
-            serve_traced=self.serve_traced,
-        )
-        self.backend = backend
-        if self.shared is not None:
-            self.shared[key] = backend
-        assert backend.split_forward is not None
-        return backend.split_forward
-
-    def received(self) -> PiecewiseBackend:
-        """The backend Dynamo's graph built; one without pieces when Dynamo made no graph (a
-        function with no tensor work calls no backend)."""
-        if self.backend is not None:
-            return self.backend
-        return PiecewiseBackend(self.config, self.compiler, self.cache_root, self.prefix, remote=self.remote)
 
 
 def from_trace(

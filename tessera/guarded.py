@@ -1,6 +1,6 @@
 """The guarded path: a model Dynamo cannot trace as one graph (a graph break) runs as
 ``torch.compile`` would, Dynamo's guards and re-compiles kept, each graph split, compiled per size
-and cached by tessera (dynamo_backend.py). The model's traces (traces.py) hold no entry for it:
+and cached by tessera (receiver.py, guarded). The model's traces (traces.py) hold no entry for it:
 Dynamo's cache is the home of its graphs, and the model's report lists them."""
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ def start_guarded(
     """Run the first call ``(args, kwargs, bound values)`` through Dynamo with tessera compiling
     each graph (appended to ``graphs``); the output, the call for later calls, and the seconds it
     took. Said once, naming every break and its line."""
-    from tessera.dynamo_backend import GraphCompiler
+    from tessera.receiver import GraphReceiver
 
     args, kwargs, values = call
-    compiler = GraphCompiler(config, prefix, lambda record, backend: graphs.append((record, backend)))
+    compiler = GraphReceiver.for_guarded_path(
+        config, prefix, lambda record, backend: graphs.append((record, backend))
+    )
     # A frame of our own: Dynamo's cache and guards for it are this model's alone.
     compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)
 

@@ -33,7 +33,6 @@ import torch
 
 from tessera import _compat, call_args, call_check, call_shapes, counters, warm
 from tessera.backend import PiecewiseBackend
-from tessera.build import GraphReceiver
 from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
@@ -41,6 +40,7 @@ from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import as_inference, grad_tensors
+from tessera.receiver import GraphReceiver
 from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
 from tessera.trace_plan import (
@@ -246,12 +246,12 @@ class Traces:
         context, model = self.context, self.model
         receiver = GraphReceiver(
             self.config,
+            context.prefix,
             # A compiler of its own: a compiler writes into one entry at a time (initialize_cache),
             # and this trace's compile runs while another trace's background compile writes into
             # its own entry (one shared compiler sent one's piece files into the other's entry).
             make_compiler(self.config.backend),
             context.root,
-            context.prefix,
             context.remote,
             serve_traced=True,
             shared=self._by_graph,
