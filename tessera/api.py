@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, counters, hooks, validation
-from tessera.backend import PiecewiseBackend
 from tessera.cache.entry import rank_dir
 from tessera.cache.fleet import cache_places, fetch_pointer
 from tessera.cache.key import fingerprint_record
@@ -38,6 +37,7 @@ from tessera.grad import as_inference, grad_tensors
 from tessera.guarded import record_guarded, start_guarded
 from tessera.piece import PieceRecord
 from tessera.report import CompileReport, GraphReport, counter_delta, model_report, save_report
+from tessera.split_model import SplitModel
 from tessera.trace_entry import Model, TraceContext, TraceEntry
 from tessera.traces import Traces
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
@@ -147,8 +147,8 @@ class CompiledModel:
         self._counters: tuple[tuple[str, int], ...] = ()  # this model's counters (first call)
         self._traces: Traces | None = None  # every trace of the model (traces.py)
         self._calls: dict[int, tuple[TraceEntry, Callable[..., Any]]] = {}  # each entry's call, built once
-        # The guarded path (graph breaks): each graph Dynamo made, and the backend that compiled it.
-        self._graphs: list[tuple[GraphReport, PiecewiseBackend]] = []
+        # The guarded path (graph breaks): each graph Dynamo made, and the split_model that compiled it.
+        self._graphs: list[tuple[GraphReport, SplitModel]] = []
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
         # Set by presets (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
         # the code fixes them), and a function marking dims of tensors nested in the arguments.
@@ -195,9 +195,9 @@ class CompiledModel:
         return () if self._traces is None else self._traces.entries
 
     @property
-    def _backend(self) -> PiecewiseBackend | None:
+    def _split_model(self) -> SplitModel | None:
         traces = self.traces
-        return traces[0].backend if traces else None
+        return traces[0].split_model if traces else None
 
     @functools.cached_property
     def signature(self) -> inspect.Signature:
@@ -220,13 +220,13 @@ class CompiledModel:
     @property
     def pieces(self) -> tuple[PieceRecord, ...]:
         """One frozen record per piece of the first trace (empty before it, and without pieces)."""
-        return () if self._backend is None else self._backend.records()
+        return () if self._split_model is None else self._split_model.records()
 
     @property
     def cache_dir(self) -> Path | None:
         """Where this model's artifacts live; None when the cache is disabled or not yet used."""
-        backend = self._graphs[0][1] if self._graphs else self._backend
-        return backend.entry.path if backend is not None and backend.entry is not None else None
+        split_model = self._graphs[0][1] if self._graphs else self._split_model
+        return split_model.entry.path if split_model is not None and split_model.entry is not None else None
 
     @property
     def report(self) -> CompileReport | None:
@@ -244,24 +244,24 @@ class CompiledModel:
         is compiled), at most ``timeout`` seconds; whether it is. A server gates its readiness on
         it; calls are served (by the general artifacts) meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for backend in self._backends():
+        for split_model in self._split_models():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not backend.background.ready.wait(left):
+            if not split_model.background.ready.wait(left):
                 return False
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not backend.learning.idle.wait(left):  # a size learnt from traffic, compiling
+            if not split_model.learning.idle.wait(left):  # a size learnt from traffic, compiling
                 return False
         return self.first_call_seconds is not None
 
-    def _backends(self) -> list[PiecewiseBackend]:
-        own = self._traces.backends() if self._traces is not None else []
+    def _split_models(self) -> list[SplitModel]:
+        own = self._traces.split_models() if self._traces is not None else []
         return own + [b for _, b in self._graphs]
 
     def _make_report(self) -> CompileReport:
         return model_report(
             self.name,
             self.compile_config,
-            self._backend,
+            self._split_model,
             self._graphs,
             self._traces,
             dict(self.startup_phases),
@@ -272,7 +272,7 @@ class CompiledModel:
     @property
     def runners(self) -> dict[str, Any]:
         """Compiled piece name -> its runner (what the split module calls for it)."""
-        return self._backend.pieces.runners() if self._backend is not None else {}
+        return self._split_model.pieces.runners() if self._split_model is not None else {}
 
     @property
     def trace_code(self) -> types.CodeType | None:
@@ -317,7 +317,7 @@ class CompiledModel:
     @property
     def split_graph(self) -> torch.fx.GraphModule | None:
         """The split module (pieces as submodules) of the first trace, when it was traced here."""
-        return self._backend.split_gm if self._backend is not None else None
+        return self._split_model.split_gm if self._split_model is not None else None
 
     # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -408,7 +408,7 @@ class CompiledModel:
         self.warm_start = bool(traces.entries) and all(e.loaded for e in traces.entries)
         served = traces.last
         if served is not None:
-            self.startup_phases.update(served.backend.phases)
+            self.startup_phases.update(served.split_model.phases)
         if traces.trace_seconds:
             self.startup_phases["trace"] = traces.trace_seconds
         return output, None

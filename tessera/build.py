@@ -19,7 +19,6 @@ import torch.fx
 
 from tessera import _compat, counters
 from tessera.aliases import replay_input_aliases
-from tessera.backend import PiecewiseBackend, partitions_of
 from tessera.cache.entry import CacheEntry
 from tessera.cache.index import index_key
 from tessera.cache.key import (
@@ -56,6 +55,7 @@ from tessera.split import (
     piece_calls,
     split_graph,
 )
+from tessera.split_model import SplitModel, partitions_of
 from tessera.work import Job, PieceWork
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,8 @@ def from_trace(
     *,
     remote: RemoteTier | None = None,
     serve_traced: bool = False,
-) -> PiecewiseBackend:
-    """A complete backend from Dynamo's traced graph: split at the splitting ops, its cache
+) -> SplitModel:
+    """A complete split_model from Dynamo's traced graph: split at the splitting ops, its cache
     entry made, every piece compiled or loaded (or, in the background, left for
     ``Background.start``) and swapped into the split module (``split_forward``)."""
     counters.bump("graphs_traced")
@@ -105,7 +105,7 @@ def from_trace(
             config, compiler.name, compiler.compute_hash(), sources, graph_signature(gm)
         )
         entry = CacheEntry.create(cache_root, prefix, factors, split_dump, sources)
-    backend = PiecewiseBackend(
+    split_model = SplitModel(
         config,
         compiler,
         cache_root,
@@ -117,17 +117,17 @@ def from_trace(
         state=CompileState.current(),  # Dynamo calls us in the traced call's thread
     )
     _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
-    if backend.dumps is not None:
-        backend.dumps.traced_graph(gm.code)
-        backend.dumps.split_graph(split_dump)
+    if split_model.dumps is not None:
+        split_model.dumps.traced_graph(gm.code)
+        split_model.dumps.split_graph(split_dump)
         if factors is not None:
-            backend.dumps.factors(factors)
-    _build_pieces(backend, gm, split_gm, items, example_inputs, start)
-    return backend
+            split_model.dumps.factors(factors)
+    _build_pieces(split_model, gm, split_gm, items, example_inputs, start)
+    return split_model
 
 
 def _build_pieces(
-    backend: PiecewiseBackend,
+    split_model: SplitModel,
     gm: torch.fx.GraphModule,
     split_gm: torch.fx.GraphModule,
     items: Sequence[SplitItem],
@@ -135,8 +135,8 @@ def _build_pieces(
     start: float,
 ) -> None:
     """Install a runner for every piece of the split module (from_trace's second half)."""
-    backend.split_gm = split_gm
-    backend.pieces.place(items)
+    split_model.split_gm = split_gm
+    split_model.pieces.place(items)
     counters.bump("pieces", len(items))
     counters.bump("compiled_pieces", sum(not item.is_splitting for item in items))
     log.debug(
@@ -147,33 +147,33 @@ def _build_pieces(
     )
     for item in items:
         if item.is_splitting:
-            # The split module calls backend.submod_N(...): an instance attribute shadows the
+            # The split module calls split_model.submod_N(...): an instance attribute shadows the
             # submodule, so calls go straight to ours while the GraphModule stays printable.
-            kept = backend.pieces.layout_kept(item.name, item.graph.forward, output_layout(item.graph))
+            kept = split_model.pieces.layout_kept(item.name, item.graph.forward, output_layout(item.graph))
             split_gm.__dict__[item.name] = kept
     built = time.perf_counter()
-    backend.phases["split"] = built - start
+    split_model.phases["split"] = built - start
     calls = piece_calls(split_gm, items, list(example_inputs))
-    later = _background(backend)
+    later = _background(split_model)
     needed = {
-        index_key(s, item.index, backend.compiler.name)
+        index_key(s, item.index, split_model.compiler.name)
         for item, fake, _ in calls
-        for s in (_sizes(backend, fake)[:1] if later else _sizes(backend, fake))
+        for s in (_sizes(split_model, fake)[:1] if later else _sizes(split_model, fake))
     }
     # Started now, so that the workers import Inductor while the general artifacts compile.
-    backend.pool = _compile_pool(backend, any(_worker_fit(fake) for _, fake, _ in calls))
+    split_model.pool = _compile_pool(split_model, any(_worker_fit(fake) for _, fake, _ in calls))
     # Up front with workers: every general artifact here first, then the rest at once, the
     # static sizes in the workers (as in the background, but before the first output).
-    rest_now = not later and backend.pool is not None
-    entry = backend.artifact_cache.entry
-    turn = compile_turn(entry, needed, backend.remote) if entry is not None else contextlib.nullcontext()
-    progress = CompileProgress(backend.prefix, len(needed))
+    rest_now = not later and split_model.pool is not None
+    entry = split_model.artifact_cache.entry
+    turn = compile_turn(entry, needed, split_model.remote) if entry is not None else contextlib.nullcontext()
+    progress = CompileProgress(split_model.prefix, len(needed))
     try:
         with COMPILE_LOCK, turn:
             try:
                 for item, fake_args, real_args in calls:
                     _build(
-                        backend,
+                        split_model,
                         split_gm,
                         item,
                         fake_args,
@@ -182,24 +182,26 @@ def _build_pieces(
                         general_only=later or rest_now,
                     )
                 if rest_now:
-                    backend.background.compile_all(progress)
+                    split_model.background.compile_all(progress)
             finally:
                 # One index write for the turn (not one per piece or link: that made a cold
                 # start quadratic in the layers), before the turn lets sibling ranks read it.
-                backend.artifact_cache.flush()
+                split_model.artifact_cache.flush()
     finally:
         progress.close()
-    if not backend.background.left():
-        backend.background.ready.set()
-    backend.learning.start()
-    backend.phases["compile"] = time.perf_counter() - built
-    log.debug("built %d piece runner(s) in %.2fs", len(backend.pieces.runners()), backend.phases["compile"])
+    if not split_model.background.left():
+        split_model.background.ready.set()
+    split_model.learning.start()
+    split_model.phases["compile"] = time.perf_counter() - built
+    log.debug(
+        "built %d piece runner(s) in %.2fs", len(split_model.pieces.runners()), split_model.phases["compile"]
+    )
     # forward, not __call__: skips nn.Module call machinery on every step.
-    backend.split_forward = split_gm.forward
+    split_model.split_forward = split_gm.forward
 
 
 def _build(
-    backend: PiecewiseBackend,
+    split_model: SplitModel,
     split_gm: torch.fx.GraphModule,
     item: SplitItem,
     fake_args: Sequence[Any],
@@ -209,18 +211,18 @@ def _build(
 ) -> None:
     """Compile (or load) every artifact of one non-splitting piece and install its runner;
     ``general_only``: the general one now, the sizes and ranges left for the background."""
-    config = backend.config
+    config = split_model.config
     output = next(iter(reversed(item.graph.graph.nodes)))
     returns_tuple = isinstance(output.args[0], (tuple, list))
     source = find_size_source(fake_args)
-    sizes = _sizes(backend, fake_args)
+    sizes = _sizes(split_model, fake_args)
     content = piece_content(item.graph, fake_args)
-    backend.pieces[item.name].content = content
+    split_model.pieces[item.name].content = content
     now = sizes[:1] if general_only else sizes
     found = None
-    if general_only and serves_traced(backend):
-        found = backend.artifact_cache.find(
-            item.graph, now[0], item.index, backend.artifact_cache.content_key(content, now[0])
+    if general_only and serves_traced(split_model):
+        found = split_model.artifact_cache.find(
+            item.graph, now[0], item.index, split_model.artifact_cache.content_key(content, now[0])
         )
         if found is None:
             # The first output waits for the trace alone: the piece runs as traced, the same
@@ -228,24 +230,24 @@ def _build(
             now = ()
     work = PieceWork(item, fake_args, real_args, content)
     if source is not None:
-        backend.learning.sized.append(work)
-    backend.background.jobs.extend(Job(work, size) for size in sizes[len(now) :])
+        split_model.learning.sized.append(work)
+    split_model.background.jobs.extend(Job(work, size) for size in sizes[len(now) :])
     artifacts: dict[Size, Callable[..., Any]] = {} if now else {None: item.graph.forward}
     seconds = []
     timings = []
     for size in now:
         progress.start(item.name, size_label(size))
-        outcome = found or backend.artifact_cache.get(
+        outcome = found or split_model.artifact_cache.get(
             item.graph,
             work.inputs(size),
             size,
             item.index,
-            backend.artifact_cache.content_key(content, size),
+            split_model.artifact_cache.content_key(content, size),
         )
         progress.advance()
-        backend.record_stage(item, size, outcome)
+        split_model.record_stage(item, size, outcome)
         artifacts[size] = outcome.fn
-        backend.note_obtained(item.name, size, outcome)
+        split_model.note_obtained(item.name, size, outcome)
         seconds.append((size_label(size), outcome.seconds))
         timings.append((size_label(size), outcome.seconds, outcome.source))
     if timings:  # nothing obtained now: the piece serves as traced
@@ -259,66 +261,66 @@ def _build(
         sym_positions=tuple(i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)),
         returns_tuple=returns_tuple,
         size_source=source,
-        sizes=compile_sizes(backend) if source is not None else (),
+        sizes=compile_sizes(split_model) if source is not None else (),
         ranges=tuple(config.ranges) if source is not None else (),
         compile_seconds=tuple(seconds),
         dynamic=dynamic_inputs(fake_args, outputs),
-        partitions=partitions_of(backend.compiler, artifacts.get(None)),
+        partitions=partitions_of(split_model.compiler, artifacts.get(None)),
     )
     runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
     runner.as_traced = item.graph.forward
-    split_gm.__dict__[item.name] = backend.pieces.install_runner(record, runner)
+    split_gm.__dict__[item.name] = split_model.pieces.install_runner(record, runner)
 
 
-def serves_traced(backend: PiecewiseBackend) -> bool:
+def serves_traced(split_model: SplitModel) -> bool:
     # Not with a remote tier: the fleet's compile turn (one replica compiles, the others wait
     # and load) covers what the first call compiles, and a piece served as traced is not
     # compiled in that turn, so every replica would compile it.
     return (
-        backend.serve_traced
-        and _background(backend)
-        and backend.config.serve_while_compiling
-        and backend.compiler.name != "eager"
-        and backend.remote is None
+        split_model.serve_traced
+        and _background(split_model)
+        and split_model.config.serve_while_compiling
+        and split_model.compiler.name != "eager"
+        and split_model.remote is None
     )
 
 
-def _background(backend: PiecewiseBackend) -> bool:
+def _background(split_model: SplitModel) -> bool:
     """Whether sizes and ranges compile after the first output. Not with CUDA graphs (a
     captured graph holds the artifact it was captured with)."""
-    return backend.config.background_compile and backend.pieces.graph_pool is None
+    return split_model.config.background_compile and split_model.pieces.graph_pool is None
 
 
-def _compile_pool(backend: PiecewiseBackend, sized: bool) -> CompilePool | None:
+def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
     """The compile workers, when some of this model can go to them: CPU pieces with a size
     (``sized``) and static compile sizes for them, a compiler that compiles in workers, a
     cache entry for their files, no CUDA graphs (a capture needs every size at install), and
     workers asked for."""
     if (
         not sized
-        or not compile_sizes(backend)
-        or backend.pieces.graph_pool is not None
-        or not isinstance(backend.compiler, CompilesInWorkers)
-        or backend.artifact_cache.entry is None
+        or not compile_sizes(split_model)
+        or split_model.pieces.graph_pool is not None
+        or not isinstance(split_model.compiler, CompilesInWorkers)
+        or split_model.artifact_cache.entry is None
     ):
         return None
-    count = backend.config.compile_workers
+    count = split_model.config.compile_workers
     return shared_pool(default_count() if count is None else count)
 
 
-def _sizes(backend: PiecewiseBackend, fake_args: Sequence[Any]) -> tuple[Size, ...]:
+def _sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[Size, ...]:
     """What a piece is compiled for: general, then each compile size and range if it has a size."""
     if find_size_source(fake_args) is None:
         return (None,)
-    return (None, *compile_sizes(backend), *backend.config.ranges)
+    return (None, *compile_sizes(split_model), *split_model.config.ranges)
 
 
-def compile_sizes(backend: PiecewiseBackend) -> tuple[int, ...]:
+def compile_sizes(split_model: SplitModel) -> tuple[int, ...]:
     """The compile sizes this trace serves: every size for an unbacked or size-oblivious
     trace; sizes >= 2 for a trace Dynamo specialised at 0 and 1 (those have traces of their own)."""
-    if backend.config.dynamic_shapes == "unbacked" or backend.state.size_oblivious:
-        return backend.config.sizes
-    return tuple(s for s in backend.config.sizes if s >= 2)
+    if split_model.config.dynamic_shapes == "unbacked" or split_model.state.size_oblivious:
+        return split_model.config.sizes
+    return tuple(s for s in split_model.config.sizes if s >= 2)
 
 
 def _worker_fit(fake_args: Sequence[Any]) -> bool:

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from tessera import _compat, hooks
-from tessera.backend import PiecewiseBackend
 from tessera.cache import pointer
 from tessera.config import CompileConfig
 from tessera.errors import TesseraWarning
 from tessera.grad import as_inference, grad_tensors
 from tessera.report import GraphReport
+from tessera.split_model import SplitModel
 from tessera.trace_entry import TraceContext
 from tessera.wrapper import DynamicChoice, entry_frame, mark_dynamic
 
@@ -35,7 +35,7 @@ def start_guarded(
     call: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]],
     choice: DynamicChoice,
     reason: str,
-    graphs: list[tuple[GraphReport, PiecewiseBackend]],
+    graphs: list[tuple[GraphReport, SplitModel]],
 ) -> tuple[Any, Callable[..., Any], float]:
     """Run the first call ``(args, kwargs, bound values)`` through Dynamo with tessera compiling
     each graph (appended to ``graphs``); the output, the call for later calls, and the seconds it
@@ -44,7 +44,7 @@ def start_guarded(
 
     args, kwargs, values = call
     compiler = GraphReceiver.for_guarded_path(
-        config, prefix, lambda record, backend: graphs.append((record, backend))
+        config, prefix, lambda record, split_model: graphs.append((record, split_model))
     )
     # A frame of our own: Dynamo's cache and guards for it are this model's alone.
     compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)

@@ -2,7 +2,7 @@
 
 It is what tessera gives Dynamo as its backend, and Dynamo calls it with each graph it traces.
 Two paths use it:
-- ``tessera.compile``'s traces (traces.py): one graph per trace, built into a ``PiecewiseBackend``
+- ``tessera.compile``'s traces (traces.py): one graph per trace, built into a ``SplitModel``
   (``build.from_trace``), shared with an earlier trace whose graph is the same, and served as
   traced while its pieces compile in the background.
 - the guarded path (``guarded=True``): ``torch.compile(backend="tessera")`` (dynamo_backend.py)
@@ -25,7 +25,6 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters
-from tessera.backend import PiecewiseBackend
 from tessera.build import from_trace
 from tessera.cache.key import graph_signature
 from tessera.cache.remote import RemoteTier
@@ -33,6 +32,7 @@ from tessera.compilers import Compiler, make_compiler, stock_backend
 from tessera.config import CompileConfig
 from tessera.errors import TesseraWarning
 from tessera.report import GraphReport
+from tessera.split_model import SplitModel
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _warned: set[str] = set()  # what was said once per process
 
 @dataclasses.dataclass
 class GraphReceiver:
-    """What Dynamo calls with each traced graph: builds a ``PiecewiseBackend`` from it (or shares
+    """What Dynamo calls with each traced graph: builds a ``SplitModel`` from it (or shares
     one) and returns what runs the graph (its split module's forward)."""
 
     config: CompileConfig
@@ -52,12 +52,12 @@ class GraphReceiver:
     cache_root: Path | None = None
     remote: RemoteTier | None = None
     serve_traced: bool = False
-    # The model's backends by graph (and call state): a trace whose graph is one of them shares
+    # The model's SplitModels by graph (and call state): a trace whose graph is one of them shares
     # its pieces instead of splitting and compiling again (None: never shared).
-    shared: dict[str, PiecewiseBackend] | None = None
+    shared: dict[str, SplitModel] | None = None
     guarded: bool = False  # Dynamo keeps its guards: compiled up front, each graph recorded
-    on_graph: Callable[[GraphReport, PiecewiseBackend], None] | None = None
-    backend: PiecewiseBackend | None = None  # the last graph's; None until Dynamo has called
+    on_graph: Callable[[GraphReport, SplitModel], None] | None = None
+    split_model: SplitModel | None = None  # the last graph's; None until Dynamo has called
     _warned_sizes: bool = False
 
     @classmethod
@@ -65,7 +65,7 @@ class GraphReceiver:
         cls,
         config: CompileConfig,
         prefix: str,
-        on_graph: Callable[[GraphReport, PiecewiseBackend], None] | None = None,
+        on_graph: Callable[[GraphReport, SplitModel], None] | None = None,
     ) -> GraphReceiver:
         """The receiver of Dynamo's guarded path, with the cache places ``config`` names."""
         from tessera.cache.fleet import cache_places
@@ -86,26 +86,26 @@ class GraphReceiver:
         existing = self.shared.get(key) if self.shared is not None else None
         if existing is not None and existing.split_forward is not None:
             counters.bump("graphs_shared")
-            self.backend = existing
+            self.split_model = existing
             return existing.split_forward
-        backend = self._build(gm, example_inputs, self.config)
+        split_model = self._build(gm, example_inputs, self.config)
         if self.shared is not None:
-            self.shared[key] = backend
-        assert backend.split_forward is not None
-        return backend.split_forward
+            self.shared[key] = split_model
+        assert split_model.split_forward is not None
+        return split_model.split_forward
 
-    def received(self) -> PiecewiseBackend:
-        """The backend Dynamo's graph built; one without pieces when Dynamo made no graph (a
+    def received(self) -> SplitModel:
+        """The SplitModel Dynamo's graph built; one without pieces when Dynamo made no graph (a
         function with no tensor work calls no backend)."""
-        if self.backend is not None:
-            return self.backend
+        if self.split_model is not None:
+            return self.split_model
         compiler = self.compiler or make_compiler(self.config.backend)
-        return PiecewiseBackend(self.config, compiler, self.cache_root, self.prefix, remote=self.remote)
+        return SplitModel(self.config, compiler, self.cache_root, self.prefix, remote=self.remote)
 
     def _build(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: CompileConfig
-    ) -> PiecewiseBackend:
-        self.backend = from_trace(
+    ) -> SplitModel:
+        self.split_model = from_trace(
             gm,
             example_inputs,
             config,
@@ -115,7 +115,7 @@ class GraphReceiver:
             remote=self.remote,
             serve_traced=self.serve_traced,
         )
-        return self.backend
+        return self.split_model
 
     def _guarded(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         reason, source, graph_break = _compat.graph_compile_reason(gm)
@@ -132,8 +132,8 @@ class GraphReceiver:
         # compile while Dynamo traces other frames of this process.
         config = self._config_for(gm).replace(background_compile=False)
         with torch.no_grad():  # nothing requires grad: the graph is an inference graph
-            backend = self._build(gm, example_inputs, config)
-        assert backend.split_forward is not None
+            split_model = self._build(gm, example_inputs, config)
+        assert split_model.split_forward is not None
         with _lock:
             record = GraphReport(
                 index=len(_graphs),
@@ -141,8 +141,8 @@ class GraphReceiver:
                 source=source,
                 graph_break=graph_break,
                 nodes=len(gm.graph.nodes),
-                pieces=len(backend.pieces),
-                cache_entry=str(backend.entry.path) if backend.entry is not None else None,
+                pieces=len(split_model.pieces),
+                cache_entry=str(split_model.entry.path) if split_model.entry is not None else None,
             )
             _graphs.append(record)
         log.info(
@@ -153,8 +153,8 @@ class GraphReceiver:
             f"graph break at {source}: {reason}" if graph_break else "no graph break after it",
         )
         if self.on_graph is not None:
-            self.on_graph(record, backend)
-        return backend.split_forward
+            self.on_graph(record, split_model)
+        return split_model.split_forward
 
     def _config_for(self, gm: torch.fx.GraphModule) -> CompileConfig:
         """compile_sizes and ranges specialise one dynamic size; a graph with several

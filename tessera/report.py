@@ -163,22 +163,22 @@ def counter_delta(before: Mapping[str, int], after: Mapping[str, int]) -> tuple[
 def build_report(
     model: str,
     config: CompileConfig,
-    backend: Any,
+    split_model: Any,
     phases: dict[str, float],
     counters: tuple[tuple[str, int], ...],
     total_seconds: float,
 ) -> CompileReport:
-    """The record of a model's first call. ``backend``: its ``PiecewiseBackend`` (None in modes
+    """The record of a model's first call. ``split_model``: its ``SplitModel`` (None in modes
     without one); ``phases``: what the model measured itself (trace, first call, warm phases)."""
     artifacts: list[ArtifactReport] = []
     fallbacks: tuple[Fallback, ...] = ()
-    if backend is not None:
+    if split_model is not None:
         # Copies first: a background compile may be adding to them.
-        fallbacks = tuple(backend.fallbacks)
-        phases.update({k: v for k, v in dict(backend.phases).items() if k not in phases})
-        for obtained in list(backend.obtained):
+        fallbacks = tuple(split_model.fallbacks)
+        phases.update({k: v for k, v in dict(split_model.phases).items() if k not in phases})
+        for obtained in list(split_model.obtained):
             piece, size, outcome = obtained.piece, obtained.size, obtained.outcome
-            runner = backend.pieces[piece].runner
+            runner = split_model.pieces[piece].runner
             served = dict(runner.served()) if runner is not None else {}
             record = outcome.record
             artifacts.append(
@@ -193,20 +193,20 @@ def build_report(
                     worker=outcome.worker,
                 )
             )
-        for piece, runner in backend.pieces.runners().items():
+        for piece, runner in split_model.pieces.runners().items():
             # Pieces that served as traced while their general artifact compiled (background).
             artifacts.extend(
                 ArtifactReport(piece, label, "as traced", 0.0, file="", bytes=0, served=n)
                 for label, n in runner.served()
                 if label.endswith(TRACED_LABEL)
             )
-    records = backend.records() if backend is not None else ()
-    entry = backend.entry if backend is not None else None
+    records = split_model.records() if split_model is not None else ()
+    entry = split_model.entry if split_model is not None else None
     traced = any(name == "graphs_traced" and n for name, n in counters)
     compiled = any(a.source == "compiled" for a in artifacts)
     return CompileReport(
         model=model,
-        kind="cold" if traced or compiled or backend is None else "warm",
+        kind="cold" if traced or compiled or split_model is None else "warm",
         mode=config.mode,
         backend=config.backend,
         phases=tuple(phases.items()),
@@ -215,10 +215,12 @@ def build_report(
         compiled_pieces=sum(not r.is_splitting for r in records),
         counters=counters,
         cache_entry=str(entry.path) if entry is not None else None,
-        whole_model_artifact=str(backend.artifact_fate) if backend is not None else "not used in this mode",
+        whole_model_artifact=str(split_model.artifact_fate)
+        if split_model is not None
+        else "not used in this mode",
         total_seconds=total_seconds,
-        background=backend.background.status if backend is not None else "none",
-        all_sizes_ready_seconds=_all_ready(backend, total_seconds),
+        background=split_model.background.status if split_model is not None else "none",
+        all_sizes_ready_seconds=_all_ready(split_model, total_seconds),
         fallbacks=fallbacks,
     )
 
@@ -240,15 +242,15 @@ def process_start() -> float:
 _IMPORTED = time.time()
 
 
-def timeline(traces: Iterable[tuple[str, float, float]], backends: Iterable[Any]) -> tuple[Span, ...]:
+def timeline(traces: Iterable[tuple[str, float, float]], split_models: Iterable[Any]) -> tuple[Span, ...]:
     """The spans of ``traces`` (name, wall-clock start, seconds) and of every artifact the
-    ``backends`` obtained, on one axis from the process's start, ordered by start."""
+    ``split_models`` obtained, on one axis from the process's start, ordered by start."""
     zero = process_start()
     spans = [
         Span(name, "", "traced", start - zero, start - zero + seconds) for name, start, seconds in traces
     ]
-    for backend in backends:
-        for got in list(backend.obtained):
+    for split_model in split_models:
+        for got in list(split_model.obtained):
             end = got.at - zero
             spans.append(
                 Span(size_label(got.size), got.piece, got.outcome.source, end - got.outcome.seconds, end)
@@ -256,25 +258,25 @@ def timeline(traces: Iterable[tuple[str, float, float]], backends: Iterable[Any]
     return tuple(sorted(spans, key=lambda s: (s.start, s.end)))
 
 
-def sizes_served(backends: Iterable[Any]) -> tuple[tuple[int, str, int], ...]:
-    """(size, artifact label, calls) over the ``backends``' counts, by size."""
+def sizes_served(split_models: Iterable[Any]) -> tuple[tuple[int, str, int], ...]:
+    """(size, artifact label, calls) over the ``split_models``' counts, by size."""
     counts: dict[tuple[int, str], int] = {}
-    for backend in backends:
-        if backend.learning.tally is not None:
-            for size, label, n in backend.learning.tally.histogram():
+    for split_model in split_models:
+        if split_model.learning.tally is not None:
+            for size, label, n in split_model.learning.tally.histogram():
                 counts[(size, label)] = counts.get((size, label), 0) + n
     return tuple(sorted((size, label, n) for (size, label), n in counts.items()))
 
 
-def _all_ready(backend: Any, first_output: float) -> float | None:
+def _all_ready(split_model: Any, first_output: float) -> float | None:
     """Seconds from the first call's start until every size was in place (the background
     compile starts as the first output is returned)."""
-    if backend is None:
+    if split_model is None:
         return None
-    phases = dict(backend.phases)
+    phases = dict(split_model.phases)
     if "background_compile" in phases:
         return first_output + float(phases["background_compile"])
-    return first_output if backend.background.ready.is_set() else None
+    return first_output if split_model.background.ready.is_set() else None
 
 
 def merge_graph_reports(
@@ -283,7 +285,7 @@ def merge_graph_reports(
     phases: dict[str, float],
     total_seconds: float,
 ) -> CompileReport:
-    """One model's record on the guarded path: the reports of its graphs' backends, together."""
+    """One model's record on the guarded path: the reports of its graphs' split_models, together."""
     first = reports[0]
     return dataclasses.replace(
         first,
@@ -317,14 +319,14 @@ def save_report(entry: Path, kind: str, as_json: str) -> None:
 def model_report(
     name: str,
     config: CompileConfig,
-    backend: Any,
+    split_model: Any,
     graphs: list[tuple[GraphReport, Any]],
     traces: Any,
     phases: dict[str, float],
     counters: tuple[tuple[str, int], ...],
     first_call_seconds: float,
 ) -> CompileReport:
-    """A compiled model's record: of its traces (``traces``: traces.Traces, with ``backend`` the
+    """A compiled model's record: of its traces (``traces``: traces.Traces, with ``split_model`` the
     one serving now), or on the guarded path of every graph's pieces (``graphs``)."""
     if graphs:
         return merge_graph_reports(
@@ -333,10 +335,10 @@ def model_report(
             phases,
             first_call_seconds,
         )
-    report = build_report(name, config, backend, phases, counters, first_call_seconds)
+    report = build_report(name, config, split_model, phases, counters, first_call_seconds)
     if traces is None:
         return report
-    backends = list({id(b): b for b in traces.backends()}.values())
+    split_models = list({id(b): b for b in traces.split_models()}.values())
     return dataclasses.replace(
         report,
         traces=tuple(
@@ -344,11 +346,11 @@ def model_report(
                 e.number,
                 e.reason,
                 "loaded" if e.loaded else "traced",
-                str(e.backend.entry.path) if e.backend.entry is not None else None,
+                str(e.split_model.entry.path) if e.split_model.entry is not None else None,
             )
             for e in traces.entries
         ),
-        timeline=timeline(traces.spans(), backends),
-        sizes_served=sizes_served(backends),
-        learnt_sizes=tuple(s for b in backends for s in b.learning.learnt_sizes),
+        timeline=timeline(traces.spans(), split_models),
+        sizes_served=sizes_served(split_models),
+        learnt_sizes=tuple(s for b in split_models for s in b.learning.learnt_sizes),
     )

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 class BackgroundOwner(Protocol):
     """What the background compile (and the learning, size_learning.py) read and change of a
-    model's pieces: ``backend.PiecewiseBackend``."""
+    model's pieces: ``split_model.SplitModel``."""
 
     config: CompileConfig
     prefix: str

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class LearningOwner(Protocol):
-    """What the learning reads and changes of the model's pieces (backend.PiecewiseBackend)."""
+    """What the learning reads and changes of the model's pieces (split_model.SplitModel)."""
 
     config: CompileConfig
     prefix: str

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check
-from tessera.backend import PiecewiseBackend
 from tessera.cache.remote import RemoteTier
+from tessera.split_model import SplitModel
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TraceEntry:
     accepts: Callable[[tuple[Any, ...], dict[str, Any]], bool]  # the check alone
     bound: dict[str, Any]  # what the check reads besides the arguments
     tensors: Callable[..., tuple[Any, ...]]  # the tensors the trace read (for the grad policy)
-    backend: PiecewiseBackend
+    split_model: SplitModel
     loaded: bool  # from the whole-model artifact (no trace in this process)
     code: types.CodeType | None = None  # Dynamo's transformed code (None when loaded)
     mutated: frozenset[tuple[str, str]] = frozenset()  # top-level arguments the model writes to

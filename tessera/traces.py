@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_args, call_check, call_shapes, counters, warm
-from tessera.backend import PiecewiseBackend
 from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
@@ -41,6 +40,7 @@ from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
 from tessera.grad import as_inference, grad_tensors
 from tessera.receiver import GraphReceiver
+from tessera.split_model import SplitModel
 from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
 from tessera.trace_plan import (
@@ -104,7 +104,7 @@ class Traces:
         self.trace_seconds = 0.0
         self.warm_refused: str | None = None  # why a saved trace did not serve the first call
         self._said: set[str] = set()
-        self._by_graph: dict[str, PiecewiseBackend] = {}  # the backends traced here, by graph
+        self._by_graph: dict[str, SplitModel] = {}  # the split_models traced here, by graph
         self._no_oblivious = False  # torch could not trace this model size-obliviously
         # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
@@ -122,7 +122,7 @@ class Traces:
         self.warm_refused = found.refused
         for trace in found.traces:
             fast = functools.partial(trace.call, self.model.target)
-            self.held.append(self._entry(trace.spec, fast, trace.backend, trace.reason, loaded=True))
+            self.held.append(self._entry(trace.spec, fast, trace.split_model, trace.reason, loaded=True))
         self.plan = merged_plans(self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint)))
         return found.other_path
 
@@ -172,7 +172,7 @@ class Traces:
         if new is None or not mismatches:
             return
         old = next((e for e in self.entries[:-1] if mismatches[0][0] in e.spec.assumptions), None)
-        if old is None or old.backend is new.backend:
+        if old is None or old.split_model is new.split_model:
             return
         kept = {a.expr for a in new.spec.assumptions}
         if all(
@@ -283,16 +283,23 @@ class Traces:
         mutated = changed_arguments(before, args, kwargs)
         tensors = frozenset(n for n, v in values.items() if isinstance(v, torch.Tensor))
         self.plan = dataclasses.replace(self.plan, seen=self.plan.seen | tensors)
-        backend = receiver.received()
-        inside = backend.phases.get("split", 0.0) + backend.phases.get("compile", 0.0)
+        split_model = receiver.received()
+        inside = split_model.phases.get("split", 0.0) + split_model.phases.get("compile", 0.0)
         seconds = time.perf_counter() - start - inside
         self.trace_seconds += seconds
         spec: call_check.CallSpec = trace.guards
-        if backend.dumps is not None:
-            backend.dumps.transformed_code(trace.code)
+        if split_model.dumps is not None:
+            split_model.dumps.transformed_code(trace.code)
         fast = functools.partial(trace.call, model.target)
         entry = self._entry(
-            spec, fast, backend, reason, loaded=False, code=trace.code, mutated=mutated, timed=(wall, seconds)
+            spec,
+            fast,
+            split_model,
+            reason,
+            loaded=False,
+            code=trace.code,
+            mutated=mutated,
+            timed=(wall, seconds),
         )
         self.entries = (*self.entries, entry)
         self._serving(entry)
@@ -300,14 +307,14 @@ class Traces:
             self._say(
                 f"{model.name}: trace {entry.number} of at most {self.config.max_traces}, because {reason}"
             )
-        shared = next((e for e in self.entries[:-1] if e.backend is backend), None)
+        shared = next((e for e in self.entries[:-1] if e.split_model is split_model), None)
         if shared is not None:  # the graph of an earlier trace: its pieces serve this one too
             self._say(f"{model.name}: trace {entry.number} has the graph of trace {shared.number}, shared")
-            backend.background.after_ready(functools.partial(self._save, entry))
+            split_model.background.after_ready(functools.partial(self._save, entry))
             return trace.output
-        backend.background.start(functools.partial(self._save, entry))
-        if not backend.background.ready.is_set():
-            backend.artifact_fate = ArtifactFate(ArtifactState.PENDING)
+        split_model.background.start(functools.partial(self._save, entry))
+        if not split_model.background.ready.is_set():
+            split_model.artifact_fate = ArtifactFate(ArtifactState.PENDING)
         return trace.output
 
     def _save(self, entry: TraceEntry) -> None:
@@ -316,7 +323,7 @@ class Traces:
         if context.root is None or context.fingerprint is None or entry.code is None:
             return
         warm.save(
-            entry.backend,
+            entry.split_model,
             context.root,
             context.fingerprint,
             self.model.traced_fn,
@@ -352,7 +359,7 @@ class Traces:
         self,
         spec: call_check.CallSpec,
         fast: Callable[..., Any],
-        backend: PiecewiseBackend,
+        split_model: SplitModel,
         reason: str,
         *,
         loaded: bool,
@@ -365,9 +372,9 @@ class Traces:
         if (
             context.root is not None
             and context.fingerprint is not None
-            and backend.learning.learnt_sink is None
+            and split_model.learning.learnt_sink is None
         ):
-            backend.learning.learnt_sink = functools.partial(
+            split_model.learning.learnt_sink = functools.partial(
                 warm.save_sizes, context.root, context.fingerprint, context.remote
             )
         entry = TraceEntry(
@@ -378,7 +385,7 @@ class Traces:
             accepts=call_check.make_predicate(spec, bound),
             bound=bound,
             tensors=call_check.tensor_reader(spec, bound),
-            backend=backend,
+            split_model=split_model,
             loaded=loaded,
             code=code,
             mutated=mutated,
@@ -483,8 +490,8 @@ class Traces:
             log.info("%s", message)
 
     # -- what the face reports ------------------------------------------------------------------
-    def backends(self) -> list[PiecewiseBackend]:
-        return [e.backend for e in self.entries]
+    def split_models(self) -> list[SplitModel]:
+        return [e.split_model for e in self.entries]
 
     def spans(self) -> list[tuple[str, float, float]]:
         """Each trace made in this process: (name, wall-clock start, seconds)."""

@@ -22,7 +22,6 @@ import filelock
 import torch
 
 from tessera import counters
-from tessera.backend import PiecewiseBackend
 from tessera.cache import artifact as model_artifact, pointer
 from tessera.cache.artifact import ArtifactFate, ArtifactState, ModelArtifact
 from tessera.cache.entry import CacheEntry, warn_write_failed
@@ -36,6 +35,7 @@ from tessera.config import CompileConfig, size_label
 from tessera.errors import CompilerError, FallbackWarning
 from tessera.piece import PieceRecord, PieceRunner
 from tessera.portable import capture_code, rebuild_call
+from tessera.split_model import SplitModel
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class SavedTrace:
     """One trace rebuilt from its whole-model artifact."""
 
-    backend: PiecewiseBackend
+    split_model: SplitModel
     call: Callable[..., Any]  # call(target, *args, **kwargs): Dynamo's bytecode, rebuilt
     spec: CallSpec
     reason: str  # why the process that made it traced it
@@ -63,10 +63,10 @@ class WarmLoad:
 
 @dataclass(frozen=True)
 class Rebuilt:
-    """One entry's whole-model artifact rebuilt: its backend, and for each trace key it holds
+    """One entry's whole-model artifact rebuilt: its split_model, and for each trace key it holds
     that binds here, the traced frame's callable and what the trace assumed of a call."""
 
-    backend: PiecewiseBackend
+    split_model: SplitModel
     calls: dict[str, tuple[Callable[..., Any], CallSpec]]
 
 
@@ -112,12 +112,12 @@ def load(
         for key, reason in traces:
             if key in calls or (not key and len(calls) == 1):
                 call, spec = calls[key] if key in calls else next(iter(calls.values()))
-                saved.append(SavedTrace(rebuilt.backend, call, spec, reason))
+                saved.append(SavedTrace(rebuilt.split_model, call, spec, reason))
     return WarmLoad(tuple(saved), refused)
 
 
 def save(
-    backend: PiecewiseBackend,
+    split_model: SplitModel,
     root: Path,
     fingerprint: str,
     traced_fn: types.FunctionType,
@@ -129,20 +129,20 @@ def save(
 ) -> None:
     """After a trace, once every size is compiled: its artifact, the fingerprint's pointer and
     the trace plan beside it, and with a remote tier all of them for the fleet."""
-    saved = save_artifact(backend, fingerprint, traced_fn, code, spec, reason)
+    saved = save_artifact(split_model, fingerprint, traced_fn, code, spec, reason)
     save_plan(root, fingerprint, plan)  # after the pointer it goes in (an earlier trace's, if not saved)
-    if saved and remote is not None and backend.entry is not None:
-        publish(remote, root, fingerprint, backend.entry)
+    if saved and remote is not None and split_model.entry is not None:
+        publish(remote, root, fingerprint, split_model.entry)
 
 
-def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, backend: PiecewiseBackend) -> None:
+def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, split_model: SplitModel) -> None:
     """After a size is learnt or retired: the learnt sizes beside the fingerprint's traces (and,
     with a remote tier, the entry's new artifacts and the pointer), for the next process."""
-    entry = backend.entry
+    entry = split_model.entry
     if entry is None:
         return
     try:
-        pointer.write_learnt(root, fingerprint, entry.path, backend.learning.learnt_sizes)
+        pointer.write_learnt(root, fingerprint, entry.path, split_model.learning.learnt_sizes)
     except OSError as e:  # the sizes serve here; the next process learns them again
         warn_write_failed(entry.path, e)
         return
@@ -162,7 +162,7 @@ def load_plan(root: Path, fingerprint: str) -> dict[str, list[Any]]:
     return pointer.read_plan(root, fingerprint)
 
 
-# -- one entry's whole-model artifact: rebuilt into a backend, written from one ----------------
+# -- one entry's whole-model artifact: rebuilt into a split_model, written from one ----------------
 def rebuild(
     config: CompileConfig,
     compiler: Compiler,
@@ -173,9 +173,9 @@ def rebuild(
     keys: Sequence[str],
     learnt: Sequence[int] = (),
 ) -> Rebuilt | Refused:
-    """A complete backend rebuilt from the whole-model artifact in ``entry_path``, with the traces
+    """A complete split_model rebuilt from the whole-model artifact in ``entry_path``, with the traces
     ``keys`` names that it holds and that bind here; or why not, without side effects on any
-    other backend. ``learnt``: the sizes an earlier process learnt from traffic, loaded where the
+    other split_model. ``learnt``: the sizes an earlier process learnt from traffic, loaded where the
     entry holds them. A compiler whose ``load`` fails on a sound file raises ``CompilerError``
     (see artifact_cache.py): tracing again would not cure it.
     """
@@ -196,7 +196,7 @@ def rebuild(
         unbound = model_artifact.check_binds(variant)
         if unbound is not None:
             return unbound
-    backend = PiecewiseBackend(
+    split_model = SplitModel(
         config,
         compiler,
         cache_root,
@@ -205,9 +205,9 @@ def rebuild(
         sources=saved.sources,
         phases={"read_and_verify": read - start, "unpickle": time.perf_counter() - read},
     )
-    backend.artifact_fate = ArtifactFate(ArtifactState.LOADED)
+    split_model.artifact_fate = ArtifactFate(ArtifactState.LOADED)
     try:
-        forward = _install_saved(backend, saved, learnt)
+        forward = _install_saved(split_model, saved, learnt)
         if isinstance(forward, Refused):
             return forward
         calls: dict[str, tuple[Callable[..., Any], CallSpec]] = {}
@@ -222,15 +222,15 @@ def rebuild(
         reason = f"the artifact does not rebuild here ({type(e).__name__}: {e})"
         _warn_bug_once(reason, entry_path)
         return Refused(reason)
-    backend.phases["rebuild_code"] = time.perf_counter() - start - sum(backend.phases.values())
-    counters.bump("pieces", len(backend.pieces))
+    split_model.phases["rebuild_code"] = time.perf_counter() - start - sum(split_model.phases.values())
+    counters.bump("pieces", len(split_model.pieces))
     counters.bump("compiled_pieces", len(saved.pieces))
-    backend.background.ready.set()  # every size was in the artifact
-    return Rebuilt(backend, calls)
+    split_model.background.ready.set()  # every size was in the artifact
+    return Rebuilt(split_model, calls)
 
 
 def _install_saved(
-    backend: PiecewiseBackend, saved: ModelArtifact, learnt: Sequence[int] = ()
+    split_model: SplitModel, saved: ModelArtifact, learnt: Sequence[int] = ()
 ) -> Callable[..., Any] | Refused:
     """Runners, splitting pieces and the split module's forward from a whole-model artifact
     (and the ``learnt`` sizes it holds artifacts for); or why a piece does not load."""
@@ -238,12 +238,12 @@ def _install_saved(
     graphs = {content: blob for content, blob in saved.graphs}
     graph_of = dict(saved.piece_graphs)
     unpickled: dict[str, torch.fx.GraphModule] = {}
-    needs_graph = not loads_without_graph(backend.compiler)
+    needs_graph = not loads_without_graph(split_model.compiler)
     attributes: dict[str, Any] = {}
     loaded_learnt: set[int] = set()
     splitting = {name for name, _ in saved.modules}
     names = sorted([*splitting, *(r.name for r in saved.pieces)], key=lambda n: int(n.rsplit("_", 1)[1]))
-    backend.pieces.place_names(names, splitting)
+    split_model.pieces.place_names(names, splitting)
     for record in saved.pieces:
         graph = None
         if needs_graph:
@@ -255,42 +255,44 @@ def _install_saved(
             graph = unpickled[content]
         artifacts = {}
         for size in (None, *record.sizes, *record.ranges):
-            outcome = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+            outcome = split_model.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
             if isinstance(outcome, Refused):
                 return Refused(f"{record.name} ({size_label(size)}): {outcome}")
             artifacts[size] = outcome.fn
-            backend.note_obtained(record.name, size, outcome)
+            split_model.note_obtained(record.name, size, outcome)
         for size in learnt if record.size_source is not None else ():
-            if size in artifacts or (backend.config.max_size is not None and size > backend.config.max_size):
+            if size in artifacts or (
+                split_model.config.max_size is not None and size > split_model.config.max_size
+            ):
                 continue
-            found = backend.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+            found = split_model.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
             if isinstance(found, Refused):  # not in this entry (yet): the general artifact serves it
                 log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
                 continue
             artifacts[size] = found.fn
-            backend.note_obtained(record.name, size, found)
+            split_model.note_obtained(record.name, size, found)
             loaded_learnt.add(size)
-        attributes[record.name] = backend.pieces.install_runner(
-            record, PieceRunner(record.name, artifacts, record.size_source, backend.config.max_size)
+        attributes[record.name] = split_model.pieces.install_runner(
+            record, PieceRunner(record.name, artifacts, record.size_source, split_model.config.max_size)
         )
     loaded = time.perf_counter()
-    backend.phases["load_kernels"] = loaded - start
+    split_model.phases["load_kernels"] = loaded - start
     built: dict[str, Callable[..., Any]] = {}
     layouts = dict(saved.layouts)
     for name, module in saved.modules:
         if module.source not in built:  # identical splitting pieces: one exec
             built[module.source] = module.build({})
-        attributes[name] = backend.pieces.layout_kept(name, built[module.source], layouts.get(name))
+        attributes[name] = split_model.pieces.layout_kept(name, built[module.source], layouts.get(name))
     forward = saved.split_module.build(attributes)
-    backend.split_forward = forward
-    if backend.config.auto_sizes and backend.config.cudagraph_capture_sizes is None:
-        backend.pieces.add_capture_sizes(sorted(loaded_learnt))
-    backend.learning.start(sorted(loaded_learnt, key=list(learnt).index))
+    split_model.split_forward = forward
+    if split_model.config.auto_sizes and split_model.config.cudagraph_capture_sizes is None:
+        split_model.pieces.add_capture_sizes(sorted(loaded_learnt))
+    split_model.learning.start(sorted(loaded_learnt, key=list(learnt).index))
     return forward
 
 
 def save_artifact(
-    backend: PiecewiseBackend,
+    split_model: SplitModel,
     fingerprint: str,
     traced_fn: types.FunctionType,
     code: types.CodeType,
@@ -299,19 +301,21 @@ def save_artifact(
 ) -> bool:
     """After a trace: write the whole-model artifact and add it to the fingerprint's pointer
     (``reason``: why the trace was made). Whether both were written."""
-    entry, split_gm = backend.entry, backend.split_gm
-    if entry is None or split_gm is None or backend.cache_root is None:
+    entry, split_gm = split_model.entry, split_model.split_gm
+    if entry is None or split_gm is None or split_model.cache_root is None:
         return False
     start = time.perf_counter()
-    pieces = list(backend.pieces)
-    unsaved = [p.name for p in pieces if not p.is_splitting and not _saved(backend, p.record)]
+    pieces = list(split_model.pieces)
+    unsaved = [p.name for p in pieces if not p.is_splitting and not _saved(split_model, p.record)]
     if unsaved:
-        backend.artifact_fate = _not_written(f"{unsaved} were not saved by compiler {backend.compiler.name}")
-        log.info("no whole-model artifact: %s", backend.artifact_fate)
+        split_model.artifact_fate = _not_written(
+            f"{unsaved} were not saved by compiler {split_model.compiler.name}"
+        )
+        log.info("no whole-model artifact: %s", split_model.artifact_fate)
         return False
     portable = capture_code(code, traced_fn)
     if isinstance(portable, Refused):
-        backend.artifact_fate = _not_written(portable.reason)
+        split_model.artifact_fate = _not_written(portable.reason)
         log.info("no whole-model artifact (the next process traces again): %s", portable)
         return False
     try:
@@ -321,14 +325,14 @@ def save_artifact(
             [p.record for p in pieces if p.record is not None],
             [p.name for p in pieces if p.is_splitting],
             [(p.name, p.layout) for p in pieces if p.is_splitting],
-            backend.sources,
+            split_model.sources,
             None
-            if loads_without_graph(backend.compiler)
+            if loads_without_graph(split_model.compiler)
             else {p.name: p.content or "" for p in pieces if not p.is_splitting},
             spec,
         )
     except (pickle.PicklingError, TypeError, AttributeError) as e:
-        backend.artifact_fate = _not_written(str(e))
+        split_model.artifact_fate = _not_written(str(e))
         log.info("no whole-model artifact (the next process traces again): %s", e)
         return False
     try:
@@ -338,34 +342,34 @@ def save_artifact(
             blob = model_artifact.dumps(saved)
             entry.write_model(blob)
     except OSError as e:  # the model runs; the next process traces again
-        backend.artifact_fate = _not_written(str(e.strerror))
+        split_model.artifact_fate = _not_written(str(e.strerror))
         warn_write_failed(entry.path, e)
         return False
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         # What the call check compares against includes a value that cannot be saved (a class
         # defined inside a function): this process runs; the next one traces again.
-        backend.artifact_fate = _not_written(f"the call check holds a value that cannot be saved ({e})")
+        split_model.artifact_fate = _not_written(f"the call check holds a value that cannot be saved ({e})")
         log.info("no whole-model artifact (the next process traces again): %s", e)
         return False
     try:
         key = saved.variants[-1].key
-        pointer.write_pointer(backend.cache_root, fingerprint, entry.path, reason, key)
+        pointer.write_pointer(split_model.cache_root, fingerprint, entry.path, reason, key)
     except OSError as e:  # the model runs; the next process traces again
-        backend.artifact_fate = _not_written(str(e.strerror))
+        split_model.artifact_fate = _not_written(str(e.strerror))
         warn_write_failed(entry.path, e)
         return False
-    backend.artifact_fate = ArtifactFate(ArtifactState.WRITTEN)
-    backend.phases["whole_model_artifact"] = time.perf_counter() - start
+    split_model.artifact_fate = ArtifactFate(ArtifactState.WRITTEN)
+    split_model.phases["whole_model_artifact"] = time.perf_counter() - start
     return True
 
 
-def _saved(backend: PiecewiseBackend, record: PieceRecord | None) -> bool:
-    """Whether every artifact of a compiled piece is recorded in the backend's entry."""
-    if record is None or backend.entry is None:
+def _saved(split_model: SplitModel, record: PieceRecord | None) -> bool:
+    """Whether every artifact of a compiled piece is recorded in the split_model's entry."""
+    if record is None or split_model.entry is None:
         return False
-    entries = backend.entry.index.entries
+    entries = split_model.entry.index.entries
     return all(
-        (key, record.index, backend.compiler.name) in entries
+        (key, record.index, split_model.compiler.name) in entries
         for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
     )
 

@@ -163,7 +163,7 @@ def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep
     gated.gate.set()
     gated.general_gate.set()
     model, compiled = gated_model(1, compile_sizes=[8])
-    with caplog.at_level(logging.WARNING, logger="tessera.backend"):
+    with caplog.at_level(logging.WARNING, logger="tessera.schedule"):
         args = toy_llama.example_inputs(8)
         torch.testing.assert_close(compiled(*args), model(*args))
         assert compiled.wait_ready(60)
@@ -217,13 +217,13 @@ def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_war
 def test_pieces_serve_as_traced_only_without_a_remote_tier():
     # With a fleet's shared store, the compile turn at the first call (one replica compiles,
     # the others wait and load) must cover the general artifacts: nothing serves as traced.
-    from tessera.backend import PiecewiseBackend
     from tessera.build import serves_traced
     from tessera.compilers import make_compiler
+    from tessera.split_model import SplitModel
 
     config = tessera.CompileConfig(backend="inductor", background_compile=True)
-    alone = PiecewiseBackend(config, make_compiler("inductor"), None, "m", serve_traced=True)
-    fleet = PiecewiseBackend(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
+    alone = SplitModel(config, make_compiler("inductor"), None, "m", serve_traced=True)
+    fleet = SplitModel(config, make_compiler("inductor"), None, "m", remote=object(), serve_traced=True)  # type: ignore[arg-type]
     assert alone.entry is None and alone.artifact_cache.entry is None
     assert serves_traced(alone) and not serves_traced(fleet)
 

@@ -51,7 +51,7 @@ SLIDING_WINDOW = {"mistral", "gemma3"}  # a first call of length 1 defers tracin
 
 def compiled_calls(compiled: tessera.CompiledModel) -> int:
     """Calls served by compiled traces: what each distinct backend's first piece ran."""
-    backends = {id(e.backend): e.backend for e in compiled.traces}
+    backends = {id(e.split_model): e.split_model for e in compiled.traces}
     return sum(n for b in backends.values() for p in b.records()[:1] for _, n in p.served)
 
 

@@ -1,9 +1,10 @@
-"""``PiecewiseBackend``: the one owner of a compiled model's pieces, from a trace or from the cache.
+"""``SplitModel``: one traced graph of a model, split into pieces; from a trace or from the cache.
 
-It holds each piece's record and runner, installs the runners (under CUDA graphs when enabled) and
-swaps in artifacts compiled after the first output. Who builds it: ``build.from_trace`` (Dynamo's
+It owns the model's pieces (``pieces.Pieces``: each piece's record, runner and layout, the runner
+install under CUDA graphs), the artifact cache they are obtained from, and swaps in artifacts
+compiled after the first output. Who builds it: ``build.from_trace`` (Dynamo's
 graph, split, each piece compiled or loaded) and ``warm.rebuild`` (the whole-model artifact,
-without Dynamo); ``warm.save_artifact`` writes that artifact from a traced backend. What is left
+without Dynamo); ``warm.save_artifact`` writes that artifact from a traced one. What is left
 to compile after the first output is ``schedule.Background``'s; the sizes learnt from traffic,
 ``size_learning.SizeLearning``'s.
 """
@@ -48,10 +49,10 @@ from tessera.split import SplitItem
 log = logging.getLogger(__name__)
 
 
-class PiecewiseBackend:
+class SplitModel:
     """Splits, compiles or loads, and dispatches the pieces of one model.
 
-    Built whole from Dynamo's graph (``build.from_trace``, through ``build.GraphReceiver``) or
+    Built whole from Dynamo's graph (``build.from_trace``, through ``receiver.GraphReceiver``) or
     from the whole-model artifact of a warm start (``warm.rebuild``). The constructor takes what both know
     before any piece: the cache entry is fixed for its life.
     """
