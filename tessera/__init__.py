@@ -34,7 +34,7 @@ _EXPORTS = {
     "compile": "tessera.api",
 }
 # Submodules reachable as attributes (``tessera.passes.DeduplicatePass``), imported on first use.
-_SUBMODULES = frozenset({"counters", "debug", "hf", "passes"})
+_SUBMODULES = frozenset({"counters", "debug", "dynamo_backend", "hf", "passes"})
 
 __all__ = [
     "ArtifactDamaged",

@@ -5,7 +5,7 @@ the refusal past ``max_traces``: the routing's decisions, apart from the entries
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from tessera import _compat, call_args, call_check, call_shapes
 from tessera.layout import to_layout
 from tessera.trace_entry import TraceEntry
+from tessera.trace_plan import changed_dims
 
 Mismatches = list[tuple[call_check.Assumption, Any]]
 
@@ -160,3 +161,22 @@ def fix_layouts(
         elif kind == "kwargs" and isinstance(keywords.get(key), torch.Tensor):
             keywords[key] = to_layout(keywords[key], assumption.expected)
     return tuple(positional), keywords
+
+
+def widened_from(entries: Sequence[TraceEntry], mismatches: Mismatches) -> TraceEntry | None:
+    """The entry the newest one (``entries[-1]``) was traced from when it differs from it only by
+    sizes it made dynamic (``mismatches``: what the call broke of it); None if there is none."""
+    new = entries[-1] if entries else None
+    if new is None or not mismatches:
+        return None
+    old = next((e for e in entries[:-1] if mismatches[0][0] in e.spec.assumptions), None)
+    if old is None or old.split_model is new.split_model:
+        return None
+    kept = {a.expr for a in new.spec.assumptions}
+    widened = all(
+        a.kind not in (call_check.Kind.FLOOR, call_check.Kind.STATE)
+        and changed_dims(a, found)
+        and a.expr not in kept
+        for a, found in mismatches
+    )
+    return old if widened else None

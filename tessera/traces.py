@@ -45,7 +45,6 @@ from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
 from tessera.trace_plan import (
     TracePlan,
-    changed_dims,
     dims_for,
     hinted,
     mark_call,
@@ -56,7 +55,14 @@ from tessera.trace_plan import (
     plan_to_json,
     widened,
 )
-from tessera.trace_route import changed_since_every_entry, covering, layout_of_written_input, nearest, refusal
+from tessera.trace_route import (
+    changed_since_every_entry,
+    covering,
+    layout_of_written_input,
+    nearest,
+    refusal,
+    widened_from,
+)
 from tessera.wrapper import (
     DynamicChoice,
     DynamicDims,
@@ -164,26 +170,15 @@ class Traces:
             return output
 
     def _retire_widened(self, mismatches: list[tuple[call_check.Assumption, Any]]) -> None:
-        """The nearest entry, held back when the new one differs from it only by sizes it made
-        dynamic: the new trace serves its calls (a prompt's first length, the first decode step),
-        so it no longer counts against ``max_traces``. Held, not dropped: a call only it covers
-        (a size the new trace bounds from below) takes it back, within the limit."""
-        new = self.entries[-1] if self.entries else None
-        if new is None or not mismatches:
+        """The nearest entry held back when the new one only made its sizes dynamic (see
+        trace_route.widened_from): the new trace serves its calls, so it no longer counts against
+        ``max_traces``. Held, not dropped: a call only it covers takes it back, within the limit."""
+        old = widened_from(self.entries, mismatches)
+        if old is None:
             return
-        old = next((e for e in self.entries[:-1] if mismatches[0][0] in e.spec.assumptions), None)
-        if old is None or old.split_model is new.split_model:
-            return
-        kept = {a.expr for a in new.spec.assumptions}
-        if all(
-            a.kind not in (call_check.Kind.FLOOR, call_check.Kind.STATE)
-            and changed_dims(a, found)
-            and a.expr not in kept
-            for a, found in mismatches
-        ):
-            self.entries = tuple(e for e in self.entries if e is not old)
-            self.held.append(old)
-            self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
+        new, self.entries = self.entries[-1], tuple(e for e in self.entries if e is not old)
+        self.held.append(old)
+        self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
 
     def _eager_errors_first(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
