@@ -36,7 +36,7 @@ from tessera.errors import ConfigError, UnsupportedModelError
 from tessera.grad import as_inference, grad_tensors
 from tessera.guarded import record_guarded, start_guarded
 from tessera.piece import PieceRecord
-from tessera.report import CompileReport, GraphReport, counter_delta, model_report, save_report
+from tessera.report import CompileReport, GuardedGraph, counter_delta, model_report, save_report
 from tessera.split_model import SplitModel
 from tessera.trace_entry import Model, TraceContext, TraceEntry
 from tessera.traces import Traces
@@ -148,7 +148,7 @@ class CompiledModel:
         self._traces: Traces | None = None  # every trace of the model (traces.py)
         self._calls: dict[int, tuple[TraceEntry, Callable[..., Any]]] = {}  # each entry's call, built once
         # The guarded path (graph breaks): each graph Dynamo made, and the split_model that compiled it.
-        self._graphs: list[tuple[GraphReport, SplitModel]] = []
+        self._graphs: list[GuardedGraph] = []
         self.first_call: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # kept when recording
         # Set by presets (tessera.hf): dims marked "maybe dynamic" (Dynamo keeps them static where
         # the code fixes them), and a function marking dims of tensors nested in the arguments.
@@ -225,7 +225,7 @@ class CompiledModel:
     @property
     def cache_dir(self) -> Path | None:
         """Where this model's artifacts live; None when the cache is disabled or not yet used."""
-        split_model = self._graphs[0][1] if self._graphs else self._split_model
+        split_model = self._graphs[0].split_model if self._graphs else self._split_model
         return split_model.entry.path if split_model is not None and split_model.entry is not None else None
 
     @property
@@ -255,7 +255,7 @@ class CompiledModel:
 
     def _split_models(self) -> list[SplitModel]:
         own = self._traces.split_models() if self._traces is not None else []
-        return own + [b for _, b in self._graphs]
+        return own + [g.split_model for g in self._graphs]
 
     def _make_report(self) -> CompileReport:
         return model_report(

@@ -46,7 +46,7 @@ from tessera.piece import (
     dynamic_inputs,
     find_size_source,
 )
-from tessera.progress import CompileProgress
+from tessera.progress import CompileProgress, Timing
 from tessera.split import (
     SplitItem,
     SplitMatcher,
@@ -249,7 +249,7 @@ def _build(
         artifacts[size] = outcome.fn
         split_model.note_obtained(item.name, size, outcome)
         seconds.append((size_label(size), outcome.seconds))
-        timings.append((size_label(size), outcome.seconds, outcome.source))
+        timings.append(Timing(size_label(size), outcome.seconds, outcome.source))
     if timings:  # nothing obtained now: the piece serves as traced
         progress.piece_done(item.name, timings)
     returned = output.args[0] if returns_tuple else [output.args[0]]

@@ -10,7 +10,6 @@ call that differs is explained by name, or normalised when only its syntax diffe
 from __future__ import annotations
 
 import ast
-import enum
 import functools
 import math
 import re
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from tessera import _compat
+from tessera.assumption import Assumption, Kind, Mismatch
 from tessera.errors import TesseraError
 from tessera.layout import layout_of
 
@@ -39,34 +39,6 @@ class StateMismatchError(InputMismatchError):
 
 class GradientsNotSupportedError(TesseraError):
     """A call whose result would need gradients: tessera compiles inference graphs only."""
-
-
-class Kind(enum.Enum):
-    """What an assumption is about: what a call that breaks it may be served by."""
-
-    TYPE = "type"
-    DTYPE = "dtype"
-    DEVICE = "device"
-    RANK = "number of dims"
-    SHAPE = "shape"  # a tensor's whole shape (parameters, inputs without a dynamic dim)
-    SIZE = "size"  # one static dim of an input tensor (``dim``)
-    LAYOUT = "layout"  # an input tensor's strides or their order: copied into it when they differ
-    VALUE = "value"
-    STATE = "state"  # Python state read from an argument (a StaticCache length), sizes' relations
-    FLOOR = "floor"  # ``size >= 2`` on a dynamic dim (``dim``): smaller sizes get their own trace
-    OTHER = "other"  # identity, length, keys, attributes present: a trace of its own
-
-
-@dataclass(frozen=True)
-class Assumption:
-    """One thing the trace depended on: ``expr`` (over ``args``/``kwargs``) evaluates to ``expected``."""
-
-    expr: str
-    expected: Any
-    label: str  # e.g. "input_ids: dtype", for people
-    kind: Kind = Kind.OTHER
-    path: str = ""  # the value it reads (``args[0]``, ``kwargs['cache'][1]``), when it reads one
-    dim: int | None = None  # the dim of ``path`` a SIZE or FLOOR assumption is about
 
 
 @dataclass(frozen=True)
@@ -96,7 +68,7 @@ class CallSpec:
 
     def mismatches(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], bound: Mapping[str, Any] | None = None
-    ) -> list[tuple[Assumption, Any]]:
+    ) -> list[Mismatch]:
         """Each assumption ``(args, kwargs)`` breaks, with the value found."""
         out = []
         wrong_type: list[str] = []  # paths whose type differs: their dtype etc. say nothing more
@@ -109,7 +81,7 @@ class CallSpec:
             except Exception as e:  # a missing attribute, an index out of range, a tensor for a dict
                 found = _Missing(f"{type(e).__name__}: {e}")
             if not same_value(found, assumption.expected):
-                out.append((assumption, found))
+                out.append(Mismatch(assumption, found))
                 if assumption.kind is Kind.TYPE:
                     wrong_type.append(assumption.path)
         return out
@@ -465,7 +437,7 @@ def layout_path(assumption: Assumption) -> tuple[str, str] | None:
     return groups[0], groups[1]
 
 
-def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
+def explain(mismatches: Sequence[Mismatch]) -> str:
     """The first broken assumption in words (and how many more there are)."""
     assumption, found = mismatches[0]
     more = f" ({len(mismatches) - 1} more difference(s))" if len(mismatches) > 1 else ""
@@ -473,11 +445,11 @@ def explain(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
     return f"{assumption.label}: the trace assumed {expected}, this call has {short_repr(found)}{more}"
 
 
-def advice(mismatches: Sequence[tuple[Assumption, Any]]) -> str:
+def advice(mismatches: Sequence[Mismatch]) -> str:
     """What a user can do about a call no trace covers, past the limit of traces."""
     if not mismatches:
         return "pass the arguments as an earlier call did"
-    assumption = mismatches[0][0]
+    assumption = mismatches[0].assumption
     if assumption.kind is Kind.LAYOUT:
         return "pass a tensor in the traced layout (.contiguous() for most)"
     if assumption.label.startswith(("model.", "function.")):

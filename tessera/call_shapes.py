@@ -32,6 +32,15 @@ class Checked(Protocol):
 E = TypeVar("E", bound=Checked)
 
 
+@dataclass(frozen=True)
+class Routed(Generic[E]):
+    """The entry that serves a call, and the call as it runs there (rewritten for its trace)."""
+
+    entry: E
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
 def shape_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Shape:
     return len(args), tuple(kwargs)
 
@@ -53,9 +62,7 @@ class ShapeRoutes(Generic[E]):
         self.limit = limit
         self._routes: dict[Shape, tuple[ShapeRoute[E], ...]] = {}
 
-    def find(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[E, tuple[Any, ...], dict[str, Any]] | None:
+    def find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Routed[E] | None:
         """The entry that serves this call, and the call rewritten for it; None when no entry
         remembered for its shape passes its check on the rewritten call."""
         for route in self._routes.get(shape_of(args, kwargs), ()):
@@ -64,7 +71,7 @@ class ShapeRoutes(Generic[E]):
             except call_check.InputMismatchError:
                 continue  # passes an argument with another value than the default the trace saw
             if route.entry.accepts(n_args, n_kwargs):
-                return route.entry, n_args, n_kwargs
+                return Routed(route.entry, n_args, n_kwargs)
         return None
 
     def remember(self, shape: Shape, entry: E, rewrite: call_args.Rewrite) -> None:

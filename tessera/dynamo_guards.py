@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from tessera._compat import GuardFact, local_source_name
-from tessera.call_check import Assumption, Kind, local_expression
+from tessera.assumption import Assumption, Kind
+from tessera.call_check import local_expression
 from tessera.errors import UnsupportedModelError
 from tessera.layout import layout_of
 

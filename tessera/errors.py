@@ -72,3 +72,9 @@ class FallbackWarning(TesseraWarning):
 
 class UntestedTorchWarning(TesseraWarning):
     """The installed torch is outside the range tessera is tested on (warned once per process)."""
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's first line (torch's carry a page of context), for a log line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"

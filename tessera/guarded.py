@@ -18,8 +18,7 @@ from tessera.cache import pointer
 from tessera.config import CompileConfig
 from tessera.errors import TesseraWarning
 from tessera.grad import as_inference, grad_tensors
-from tessera.report import GraphReport
-from tessera.split_model import SplitModel
+from tessera.report import GuardedGraph
 from tessera.trace_entry import TraceContext
 from tessera.wrapper import DynamicChoice, entry_frame, mark_dynamic
 
@@ -35,7 +34,7 @@ def start_guarded(
     call: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]],
     choice: DynamicChoice,
     reason: str,
-    graphs: list[tuple[GraphReport, SplitModel]],
+    graphs: list[GuardedGraph],
 ) -> tuple[Any, Callable[..., Any], float]:
     """Run the first call ``(args, kwargs, bound values)`` through Dynamo with tessera compiling
     each graph (appended to ``graphs``); the output, the call for later calls, and the seconds it
@@ -44,7 +43,7 @@ def start_guarded(
 
     args, kwargs, values = call
     compiler = GraphReceiver.for_guarded_path(
-        config, prefix, lambda record, split_model: graphs.append((record, split_model))
+        config, prefix, lambda record, split_model: graphs.append(GuardedGraph(record, split_model))
     )
     # A frame of our own: Dynamo's cache and guards for it are this model's alone.
     compiled = torch.compile(entry_frame(), backend=compiler, dynamic=None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +17,14 @@ log = logging.getLogger(__name__)
 def enabled() -> bool:
     value = os.environ.get("TESSERA_PROGRESS", "1").strip().lower()
     return value not in ("0", "false", "no", "off")
+
+
+class Timing(NamedTuple):
+    """One artifact of a piece obtained: its size's label, the seconds it took and how."""
+
+    size: str
+    seconds: float
+    source: str  # "compiled", "loaded" or "shared"
 
 
 class CompileProgress:
@@ -53,7 +61,7 @@ class CompileProgress:
         if self._bar is not None:
             self._bar.advance(self._task)
 
-    def piece_done(self, piece: str, timings: list[tuple[str, float, str]]) -> None:
+    def piece_done(self, piece: str, timings: list[Timing]) -> None:
         """One INFO line per piece when there is no bar: each size, how it was obtained, seconds."""
         if self._on and self._bar is None:
             parts = ", ".join(f"{size} {source} {seconds:.2f}s" for size, seconds, source in timings)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tessera.config import TRACED_LABEL, CompileConfig, size_label
 
@@ -58,6 +58,21 @@ class GraphReport:
     nodes: int
     pieces: int
     cache_entry: str | None
+
+
+class GuardedGraph(NamedTuple):
+    """One graph of the guarded path and the SplitModel that compiled it."""
+
+    report: GraphReport
+    split_model: Any
+
+
+class TraceSpan(NamedTuple):
+    """One trace made in this process: its name, wall-clock start and seconds."""
+
+    name: str
+    started: float
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -242,7 +257,7 @@ def process_start() -> float:
 _IMPORTED = time.time()
 
 
-def timeline(traces: Iterable[tuple[str, float, float]], split_models: Iterable[Any]) -> tuple[Span, ...]:
+def timeline(traces: Iterable[TraceSpan], split_models: Iterable[Any]) -> tuple[Span, ...]:
     """The spans of ``traces`` (name, wall-clock start, seconds) and of every artifact the
     ``split_models`` obtained, on one axis from the process's start, ordered by start."""
     zero = process_start()
@@ -320,7 +335,7 @@ def model_report(
     name: str,
     config: CompileConfig,
     split_model: Any,
-    graphs: list[tuple[GraphReport, Any]],
+    graphs: list[GuardedGraph],
     traces: Any,
     phases: dict[str, float],
     counters: tuple[tuple[str, int], ...],

@@ -10,7 +10,7 @@ import logging
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -225,9 +225,18 @@ def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem])
     return "".join(parts)
 
 
+class PieceCall(NamedTuple):
+    """One compiled piece as the split module calls it: its inputs' fake values (Dynamo's
+    example values) and their real values where the traced call had them."""
+
+    item: SplitItem
+    fake_args: list[Any]
+    real_args: list[Any | None]
+
+
 def piece_calls(
     split_gm: torch.fx.GraphModule, items: Sequence[SplitItem], real_inputs: list[Any]
-) -> list[tuple[SplitItem, list[Any], list[Any | None]]]:
+) -> list[PieceCall]:
     """Per compiled piece: its inputs' fake values (Dynamo's example values) and real values where known.
 
     No fake execution: split_module copies each input's example value onto the piece's
@@ -248,5 +257,5 @@ def piece_calls(
             f"{item.name}: Dynamo left no example value for inputs {missing}"
         )
         real = [real_of.get(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
-        calls.append((item, fake, real))
+        calls.append(PieceCall(item, fake, real))
     return calls

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_check, dynamo_guards, validation
-from tessera.call_check import Kind
+from tessera.assumption import Assumption, Kind, Mismatch
 from tessera.wrapper import DynamicChoice, choose_dynamic_dims, mark_dynamic
 
 
@@ -81,9 +81,7 @@ def merged_plans(a: TracePlan, b: TracePlan) -> TracePlan:
     )
 
 
-def widened(
-    plan: TracePlan, names: dict[str, str], mismatches: list[tuple[call_check.Assumption, Any]]
-) -> TracePlan:
+def widened(plan: TracePlan, names: dict[str, str], mismatches: list[Mismatch]) -> TracePlan:
     """``plan`` with what changed between the nearest entry's trace and this call made
         dynamic (sizes, argument ints), as Dynamo's automatic dynamic shapes; a size the nearest
         entry bounded from below that this call goes under is traced static when it is that small
@@ -177,7 +175,7 @@ def hinted(values: dict[str, Any], choice: DynamicChoice) -> bool:
     return bool(small_dims(values, choice))
 
 
-def changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[str, int]]:
+def changed_dims(assumption: Assumption, found: Any) -> list[tuple[str, int]]:
     """The (path, dim) of each static size of an argument's tensor this call changed."""
     path = assumption.path
     if assumption.kind not in (Kind.SIZE, Kind.SHAPE) or not path.startswith(("args[", "kwargs[")):
@@ -192,7 +190,7 @@ def changed_dims(assumption: call_check.Assumption, found: Any) -> list[tuple[st
 
 def size_floors(
     symbols: dict[str, tuple[str | None, ...]], not_at_one: frozenset[str], label: Callable[[str], str]
-) -> tuple[call_check.Assumption, ...]:
+) -> tuple[Assumption, ...]:
     """A size-oblivious trace serves a dynamic size down to 1 (size 0 gets its own trace), and
     down to 2 where an op of the graph treats 1 apart (``wrapper.size_one_symbols``)."""
     out = []
@@ -207,7 +205,7 @@ def size_floors(
             low = 2 if symbol in not_at_one else 1
             why = "an op of the graph treats size 1 apart" if low == 2 else "size 0 is traced apart"
             out.append(
-                call_check.Assumption(
+                Assumption(
                     f"{name}.shape[{d}] >= {low}",
                     True,
                     f"sizes: {label(name)} dim {d} >= {low} ({why})",

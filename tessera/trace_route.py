@@ -6,16 +6,25 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from tessera import _compat, call_args, call_check, call_shapes
+from tessera.assumption import Kind, Mismatch
 from tessera.layout import to_layout
 from tessera.trace_entry import TraceEntry
 from tessera.trace_plan import changed_dims
 
-Mismatches = list[tuple[call_check.Assumption, Any]]
+Mismatches = list[Mismatch]
+
+
+class Nearest(NamedTuple):
+    """The entry a call differs least from (None: there is none), in words, and what it breaks."""
+
+    entry: TraceEntry | None
+    words: str
+    mismatches: Mismatches
 
 
 def covering(
@@ -24,13 +33,13 @@ def covering(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     remember: Callable[[call_shapes.Shape, TraceEntry, call_args.Rewrite], None] | None,
-) -> tuple[TraceEntry, tuple[Any, ...], dict[str, Any]] | None:
+) -> call_shapes.Routed[TraceEntry] | None:
     """The first of ``ordered`` that covers this call, and the call as it runs there: as passed,
     normalised to the entry's traced structure, or with an argument copied into its traced layout.
     ``remember``: told a call shape that differs from its entry's only in syntax (call_shapes.py)."""
     for entry in ordered:
         if entry.accepts(args, kwargs):
-            return entry, args, kwargs
+            return call_shapes.Routed(entry, args, kwargs)
     state = _compat.call_state()
     for entry in ordered:
         if entry.spec.global_state and entry.spec.global_state != state:
@@ -51,7 +60,7 @@ def covering(
             n_args, n_kwargs = fix_layouts(entry, n_args, n_kwargs, mismatches)
             if entry.spec.mismatches(n_args, n_kwargs, entry.bound):
                 continue
-        return entry, n_args, n_kwargs
+        return call_shapes.Routed(entry, n_args, n_kwargs)
     return None
 
 
@@ -66,23 +75,23 @@ def changed_since_every_entry(
     dynamic keeps one record of the sizes seen for all of a frame's graphs. (Widened by the
     nearest entry alone, a batch that changed between two decode steps stayed static in the
     cache's tensors, and every batch of a generate() loop was a trace of its own.)"""
-    changed: list[tuple[call_check.Assumption, Any]] = []
+    changed: list[Mismatch] = []
     for entry in entries:
         try:
             n_args, n_kwargs = call_args.normalise(signature, entry.spec, args, kwargs)
         except call_check.InputMismatchError:
             continue  # another structure: nothing to compare
         changed.extend(
-            (assumption, found)
-            for assumption, found in entry.spec.mismatches(n_args, n_kwargs, entry.bound)
-            if assumption.kind is not call_check.Kind.FLOOR
+            m
+            for m in entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+            if m.assumption.kind is not Kind.FLOOR
         )
     return changed
 
 
 def nearest(
     signature: inspect.Signature, ordered: list[TraceEntry], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[TraceEntry | None, str, Mismatches]:
+) -> Nearest:
     """The entry this call differs least from, in words, and the assumptions it breaks."""
     best: tuple[int, TraceEntry | None, str, Mismatches] | None = None
     state = _compat.call_state()
@@ -103,8 +112,8 @@ def nearest(
         if best is None or candidate[0] < best[0]:
             best = candidate
     if best is None:
-        return None, "the first call", []
-    return best[1], best[2], best[3]
+        return Nearest(None, "the first call", [])
+    return Nearest(best[1], best[2], best[3])
 
 
 def refusal(
@@ -133,7 +142,7 @@ def refusal(
     )
 
 
-def layout_of_written_input(entry: TraceEntry, mismatches: list[tuple[call_check.Assumption, Any]]) -> bool:
+def layout_of_written_input(entry: TraceEntry, mismatches: list[Mismatch]) -> bool:
     return (
         bool(mismatches)
         and entry.spec.writes_in_place
@@ -145,7 +154,7 @@ def fix_layouts(
     entry: TraceEntry,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    mismatches: list[tuple[call_check.Assumption, Any]],
+    mismatches: list[Mismatch],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Arguments whose only difference is their layout, copied into the traced layout (the
     compiled code assumes it). An argument the model writes to is not copied: the write would
@@ -169,14 +178,12 @@ def widened_from(entries: Sequence[TraceEntry], mismatches: Mismatches) -> Trace
     new = entries[-1] if entries else None
     if new is None or not mismatches:
         return None
-    old = next((e for e in entries[:-1] if mismatches[0][0] in e.spec.assumptions), None)
+    old = next((e for e in entries[:-1] if mismatches[0].assumption in e.spec.assumptions), None)
     if old is None or old.split_model is new.split_model:
         return None
     kept = {a.expr for a in new.spec.assumptions}
     widened = all(
-        a.kind not in (call_check.Kind.FLOOR, call_check.Kind.STATE)
-        and changed_dims(a, found)
-        and a.expr not in kept
+        a.kind not in (Kind.FLOOR, Kind.STATE) and changed_dims(a, found) and a.expr not in kept
         for a, found in mismatches
     )
     return old if widened else None

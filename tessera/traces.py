@@ -32,14 +32,16 @@ from typing import Any
 import torch
 
 from tessera import _compat, call_args, call_check, call_shapes, counters, warm
+from tessera.assumption import Mismatch
 from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
 from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
-from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError
+from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
 from tessera.receiver import GraphReceiver
+from tessera.report import TraceSpan
 from tessera.split_model import SplitModel
 from tessera.trace_check import TracedAtOne, recorder
 from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
@@ -56,6 +58,7 @@ from tessera.trace_plan import (
     widened,
 )
 from tessera.trace_route import (
+    Nearest,
     changed_since_every_entry,
     covering,
     layout_of_written_input,
@@ -140,9 +143,9 @@ class Traces:
                 return served[0]
             counters.bump("warm_start_fallbacks")  # artifacts there, none for this call
             nearest = self._nearest(args, kwargs, among=self.held)
-            self.warm_refused = f"this call differs from the saved traces: {nearest[1]}"
+            self.warm_refused = f"this call differs from the saved traces: {nearest.words}"
             log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
-            return self.trace(args, kwargs, nearest[1], nearest[2])
+            return self.trace(args, kwargs, nearest.words, nearest.mismatches)
         return self.trace(args, kwargs, "the first call", [])
 
     def trace(
@@ -150,7 +153,7 @@ class Traces:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reason: str,
-        mismatches: list[tuple[call_check.Assumption, Any]],
+        mismatches: list[Mismatch],
     ) -> Any:
         """Trace this call once more (widening the plan by what changed), add and serve it. A trace
         that fails on the call's values where eager fails too raises eager's error (the caller's)."""
@@ -169,7 +172,7 @@ class Traces:
             self._retire_widened(mismatches)
             return output
 
-    def _retire_widened(self, mismatches: list[tuple[call_check.Assumption, Any]]) -> None:
+    def _retire_widened(self, mismatches: list[Mismatch]) -> None:
         """The nearest entry held back when the new one only made its sizes dynamic (see
         trace_route.widened_from): the new trace serves its calls, so it no longer counts against
         ``max_traces``. Held, not dropped: a call only it covers takes it back, within the limit."""
@@ -217,13 +220,13 @@ class Traces:
                 # A size of 0 or 1 traced with a general hint, where another tensor of the call
                 # holds that size static (a decode step's batch of 1 in the cache's tensors): this
                 # call is traced for its size; the model's other traces stay size-oblivious.
-                log.info("%s: %s; traced for this call's sizes", self.model.name, _first_line(e))
+                log.info("%s: %s; traced for this call's sizes", self.model.name, first_line(e))
                 return self._trace_with(args, kwargs, values, choice, reason, False)
             # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
             # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
             # The model's later traces go that way at once (each failed attempt costs a trace).
             log.info(
-                "%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, _first_line(e)
+                "%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, first_line(e)
             )
             output = self._trace_with(args, kwargs, values, choice, reason, False)
             self._no_oblivious = True  # not after a call that fails either way (the caller's error)
@@ -405,10 +408,9 @@ class Traces:
             tensors = lambda: itertools.chain(read, grad_tensors((args, kwargs)))  # noqa: E731
             return as_inference(self.model.name, self.model.owner, tensors, lambda: self.route(args, kwargs))
         found = self.shapes.find(args, kwargs)  # a shape served before in another syntax
-        if found is not None and any(e is found[0] for e in self.entries):  # not one held back
-            entry, n_args, n_kwargs = found
-            self._serving(entry)
-            return entry.fast(*n_args, **n_kwargs)
+        if found is not None and any(e is found.entry for e in self.entries):  # not one held back
+            self._serving(found.entry)
+            return found.entry.fast(*found.args, **found.kwargs)
         served = self._serve_existing(args, kwargs)
         if served is not None:
             return served[0]
@@ -452,11 +454,10 @@ class Traces:
         found = covering(self.model.signature, ordered, args, kwargs, remember)
         if found is None:
             return None
-        entry, n_args, n_kwargs = found
         if not serve:
-            return (entry,)
-        self._serving(entry)
-        return (entry.fast(*n_args, **n_kwargs),)
+            return (found.entry,)
+        self._serving(found.entry)
+        return (found.entry.fast(*found.args, **found.kwargs),)
 
     def _ordered(self) -> list[TraceEntry]:
         last = self.last
@@ -470,12 +471,12 @@ class Traces:
 
     def _nearest(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], among: list[TraceEntry] | None = None
-    ) -> tuple[TraceEntry | None, str, list[tuple[call_check.Assumption, Any]]]:
+    ) -> Nearest:
         """The entry this call differs least from, in words, and the assumptions it breaks."""
         return nearest(self.model.signature, self._ordered() if among is None else among, args, kwargs)
 
     def _refusal(
-        self, nearest: TraceEntry | None, reason: str, mismatches: list[tuple[call_check.Assumption, Any]]
+        self, nearest: TraceEntry | None, reason: str, mismatches: list[Mismatch]
     ) -> call_check.InputMismatchError:
         return refusal(self.model.name, self.entries, self.config.max_traces, nearest, reason, mismatches)
 
@@ -488,12 +489,6 @@ class Traces:
     def split_models(self) -> list[SplitModel]:
         return [e.split_model for e in self.entries]
 
-    def spans(self) -> list[tuple[str, float, float]]:
-        """Each trace made in this process: (name, wall-clock start, seconds)."""
-        return [(f"trace {e.number}", e.started, e.seconds) for e in self.entries if not e.loaded]
-
-
-def _first_line(error: BaseException) -> str:
-    """An exception's first line (torch's carry a page of context), for a log line."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    def spans(self) -> list[TraceSpan]:
+        """Each trace made in this process."""
+        return [TraceSpan(f"trace {e.number}", e.started, e.seconds) for e in self.entries if not e.loaded]

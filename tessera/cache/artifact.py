@@ -46,7 +46,7 @@ from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 from tessera.portable import PortableCode, resolve_globals
 
-# 10: an assumption says its kind, path and dim (call_check.Kind); 9: one artifact holds every
+# 10: an assumption says its kind, path and dim (assumption.Kind); 9: one artifact holds every
 # trace of one graph (variants); 8: PortableCode binds every global
 # Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
 # from each module; 7: the pickled CallSpec moved

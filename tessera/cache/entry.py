@@ -167,7 +167,7 @@ class CacheEntry:
             trust.make_dir(path / ARTIFACTS)
             untrusted = trust.chain_problem(root, path)
             if untrusted is not None:
-                trust.warn_once(untrusted[0], untrusted[1], "not using it; compiling without the cache")
+                trust.warn_once(untrusted.path, untrusted.why, "not using it; compiling without the cache")
                 return None
             entry = cls(path, key.factors)
             entry._open(graph_dump, sources)
@@ -186,8 +186,8 @@ class CacheEntry:
             return Refused("it was removed")  # pruned or cleared: a plain miss
         untrusted = trust.chain_problem(path.parents[2], path) or _file_problem(path / MODEL)
         if untrusted is not None:
-            trust.warn_once(untrusted[0], untrusted[1], "not loading it; compiling without the cache")
-            return Refused(f"{untrusted[0]} is {untrusted[1]}")
+            trust.warn_once(untrusted.path, untrusted.why, "not loading it; compiling without the cache")
+            return Refused(f"{untrusted.path} is {untrusted.why}")
         entry = cls(path, {}, path.parent.parent.name)  # keyed once its files are verified
         # Marked before anything is read: from here on no pruner removes a file we verify or load.
         if not entry._mark_in_use(wait=False):
@@ -423,9 +423,9 @@ def _cause(error: OSError) -> str:
     return error.strerror or type(error).__name__
 
 
-def _file_problem(path: Path) -> tuple[Path, str] | None:
+def _file_problem(path: Path) -> trust.Untrusted | None:
     found = trust.problem(path)
-    return None if found is None else (path, found)
+    return None if found is None else trust.Untrusted(path, found)
 
 
 def warn_write_failed(path: Path, error: OSError) -> None:

@@ -124,7 +124,7 @@ def verify(root: Path) -> list[str]:
 def _entry_problems(root: Path, path: Path) -> list[str]:
     untrusted = trust.chain_problem(root, path)
     if untrusted is not None:
-        return [f"{untrusted[0]}: not trusted, {untrusted[1]} (entry {path})"]
+        return [f"{untrusted.path}: not trusted, {untrusted.why} (entry {path})"]
     try:
         index = read_index(path)
     except FileNotFoundError:

@@ -12,6 +12,7 @@ import os
 import stat
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 from tessera.errors import CacheWarning, ConfigError
 
@@ -88,18 +89,25 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def chain_problem(root: Path, path: Path) -> tuple[Path, str] | None:
+class Untrusted(NamedTuple):
+    """A path tessera does not trust, and why."""
+
+    path: Path
+    why: str
+
+
+def chain_problem(root: Path, path: Path) -> Untrusted | None:
     """The first of ``root`` and the directories from it down to ``path`` that is not trusted."""
     try:
         relative = path.relative_to(root)
     except ValueError:
-        return path, "outside the cache root"
+        return Untrusted(path, "outside the cache root")
     current = root
     for part in ("", *relative.parts):
         current = current / part if part else current
         found = problem(current)
         if found is not None:
-            return current, found
+            return Untrusted(current, found)
     return None
 
 
