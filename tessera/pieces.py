@@ -79,10 +79,6 @@ class Pieces:
     def __getitem__(self, name: str) -> Piece:
         return self._by_name[name]
 
-    def traced(self) -> list[SplitItem]:
-        """The traced graphs of the compiled pieces, in order (trace path only)."""
-        return [p.item for p in self if p.item is not None and not p.is_splitting]
-
     def runners(self) -> dict[str, PieceRunner]:
         """Every compiled piece's runner, by name, in order."""
         return {p.name: p.runner for p in self if p.runner is not None}
