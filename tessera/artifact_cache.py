@@ -6,6 +6,7 @@ are compiled and stored once, whatever state Inductor's own cache is in.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pickle
@@ -35,13 +36,21 @@ log = logging.getLogger(__name__)
 DAMAGE_ERRORS = (ArtifactDamaged, pickle.UnpicklingError, EOFError)
 
 
+class Source(str, enum.Enum):
+    """How an artifact was obtained (a str: the report and its JSON show the value)."""
+
+    COMPILED = "compiled"
+    LOADED = "loaded"  # from the cache
+    SHARED = "shared"  # an identical piece's, in this process
+
+
 @dataclass(frozen=True)
 class CompileOutcome:
     """One artifact obtained: the callable, how long it took, and where it came from."""
 
     fn: Callable[..., Any]
     seconds: float
-    source: str  # "compiled", "loaded" (from the cache) or "shared" (an identical piece's)
+    source: Source
     record: ArtifactRecord | None = None
     worker: int | None = None  # the pid of the compile worker that compiled it (compile_pool.py)
 
@@ -155,7 +164,7 @@ class ArtifactCache:
             # Recorded only now, after the artifact is complete on disk (and written to the index
             # at the end of the turn): a process that dies mid-compile leaves nothing to trust.
             record = self._write(lambda entry: entry.record_artifact(key, str(handle), content))
-        outcome = CompileOutcome(fn, seconds, "compiled", record, worker)
+        outcome = CompileOutcome(fn, seconds, Source.COMPILED, record, worker)
         self._by_content[content] = outcome
         log.debug("compiled piece %d (%s) in %.2fs", index, size_label(size), outcome.seconds)
         return outcome
@@ -174,7 +183,7 @@ class ArtifactCache:
         elif loaded is not None:
             counters.bump("cache_hits")
             self.loaded += 1
-            outcome = CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
+            outcome = CompileOutcome(loaded[0], time.perf_counter() - start, Source.LOADED, loaded[1])
             self._by_content.setdefault(content, outcome)
             return outcome
         twin = self._by_content.get(content)
@@ -183,7 +192,7 @@ class ArtifactCache:
             shared = twin.record
             if self.entry is not None and shared is not None:
                 self._write(lambda entry: entry.link_artifacts({key: shared}))
-            return CompileOutcome(twin.fn, time.perf_counter() - start, "shared", twin.record)
+            return CompileOutcome(twin.fn, time.perf_counter() - start, Source.SHARED, twin.record)
         return None
 
     def flush(self) -> None:
@@ -214,7 +223,7 @@ class ArtifactCache:
         counters.bump("backend_compilations")
         counters.bump("cache_hits")
         self.loaded += 1
-        return CompileOutcome(loaded[0], time.perf_counter() - start, "loaded", loaded[1])
+        return CompileOutcome(loaded[0], time.perf_counter() - start, Source.LOADED, loaded[1])
 
     def _load(
         self, key: Any, graph: torch.fx.GraphModule, size: Size, index: int

@@ -103,12 +103,13 @@ _INDUCTOR_INPUT_ASSERT = "expected size"
 
 
 class _Artifact:
-    __slots__ = ("fn", "label", "served")
+    __slots__ = ("as_traced", "fn", "label", "served")
 
-    def __init__(self, fn: Callable[..., Any], label: str) -> None:
+    def __init__(self, fn: Callable[..., Any], label: str, as_traced: bool = False) -> None:
         self.fn = fn
         self.label = label
         self.served = 0
+        self.as_traced = as_traced  # the piece as traced, serving until its artifact compiles
 
 
 class PieceRunner:
@@ -129,7 +130,7 @@ class PieceRunner:
         self._source = size_source
         self._artifacts = {size: _Artifact(fn, size_label(size)) for size, fn in artifacts.items()}
         if traced_general:
-            self._artifacts[None].label = f"{size_label(None)} {TRACED_LABEL}"
+            self._artifacts[None] = _Artifact(artifacts[None], f"{size_label(None)} {TRACED_LABEL}", True)
         self._retired: tuple[_Artifact, ...] = ()  # replaced by an added artifact; kept for served()
         self._general = self._artifacts.get(None)
         self._ranges = sorted(
@@ -249,8 +250,12 @@ class PieceRunner:
         return artifact.label
 
     def served(self) -> tuple[tuple[str, int], ...]:
-        """How many calls each artifact has served so far."""
+        """How many calls each artifact has served so far (label, calls)."""
         return tuple((a.label, a.served) for a in (*self._retired, *self._artifacts.values()))
+
+    def served_as_traced(self) -> tuple[tuple[str, int], ...]:
+        """The part of ``served`` the piece as traced served (while its general artifact compiled)."""
+        return tuple((a.label, a.served) for a in (*self._retired, *self._artifacts.values()) if a.as_traced)
 
 
 def find_size_source(example_inputs: Sequence[Any], symbol: Any = None) -> SizeSource | None:

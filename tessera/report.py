@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tessera.config import TRACED_LABEL, CompileConfig, size_label
+from tessera.config import CompileConfig, size_label
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,7 @@ def build_report(
             # Pieces that served as traced while their general artifact compiled (background).
             artifacts.extend(
                 ArtifactReport(piece, label, "as traced", 0.0, file="", bytes=0, served=n)
-                for label, n in runner.served()
-                if label.endswith(TRACED_LABEL)
+                for label, n in runner.served_as_traced()
             )
     records = split_model.records() if split_model is not None else ()
     entry = split_model.entry if split_model is not None else None
