@@ -43,6 +43,9 @@ class Source(str, enum.Enum):
     LOADED = "loaded"  # from the cache
     SHARED = "shared"  # an identical piece's, in this process
 
+    def __str__(self) -> str:  # in logs and f-strings the word, not "Source.COMPILED" (Python 3.11)
+        return self.value
+
 
 @dataclass(frozen=True)
 class CompileOutcome:

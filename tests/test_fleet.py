@@ -412,7 +412,7 @@ def test_export_then_import_into_another_root_starts_warm(tmp_path):
         compiled(*toy_llama.example_inputs(5))
     archive = tmp_path / "image.tar"
     assert export(source, archive, prefixes=["backbone"]) == 1
-    full_key = compiled._backend.entry.key
+    full_key = compiled._split_model.entry.key
     assert len(full_key) > 10 and export(source, tmp_path / "by-key.tar", keys=[full_key]) == 1
     assert export(source, tmp_path / "none.tar", keys=["f" * 64 if full_key[0] != "f" else "0" * 64]) == 0
     target = tmp_path / "elsewhere" / "root"
