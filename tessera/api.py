@@ -7,13 +7,10 @@ module runs the root module's hooks around them and keeps the record of the firs
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
-import enum
 import functools
 import inspect
-import json
 import logging
 import threading
 import time
@@ -25,18 +22,17 @@ from typing import Any
 
 import torch
 
-from tessera import _compat, call_check, counters, hooks, validation
-from tessera.cache.entry import rank_dir
-from tessera.cache.fleet import cache_places, fetch_pointer
-from tessera.cache.key import fingerprint_record
-from tessera.compile_state import between_compiles
-from tessera.compilers import check_backend, make_compiler, stock_backend, warm_hash
+from tessera import call_check, counters, hooks, validation
+from tessera.beside import Beside, eager_first
+from tessera.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig
-from tessera.errors import ConfigError, UnsupportedModelError
+from tessera.errors import UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
 from tessera.guarded import record_guarded, start_guarded
+from tessera.lifecycle import Lifecycle, Stage
+from tessera.pacing import PACER
 from tessera.piece import PieceRecord
-from tessera.report import CompileReport, GuardedGraph, counter_delta, model_report, save_report
+from tessera.report import CompileReport, GuardedGraph, counter_delta, model_report, publish
 from tessera.split_model import SplitModel
 from tessera.trace_entry import Model, TraceContext, TraceEntry
 from tessera.traces import Traces
@@ -47,17 +43,6 @@ log = logging.getLogger(__name__)
 # ``tessera report SCRIPT`` / ``tessera bisect SCRIPT`` set this to a list: every compiled model
 # is appended, and keeps its first call's arguments (first_call) for bisection.
 RECORDER: list[CompiledModel] | None = None
-
-
-def _save_at_exit(ref: weakref.ref[CompiledModel], kind: str) -> None:
-    model = ref()
-    if model is None or model.cache_dir is None:
-        return
-    try:
-        report = dataclasses.replace(model._make_report(), kind=kind)
-        save_report(model.cache_dir, kind, json.dumps(report.as_dict(), indent=1))
-    except Exception as e:  # a record at exit is best effort: never an error at shutdown
-        log.debug("%s: compile record not saved at exit: %s", model.name, e)
 
 
 def compile(
@@ -75,45 +60,13 @@ def compile(
     ``on_compiled(report)`` is called once, when the first call has compiled or loaded everything.
     Every argument is checked here: a bad one is a ``ConfigError`` now, not at the first call.
     """
-    if on_compiled is not None and not callable(on_compiled):
-        raise ConfigError(f"on_compiled={on_compiled!r} must be a callable taking the compile report")
-    if config is not None and not isinstance(config, CompileConfig):
-        raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
-    config = (config or CompileConfig()).replace(**overrides)
-    if prefix is not None:
-        validation.check_prefix(prefix)
-    validation.check_dynamic_dims(dynamic_dims)
-    if config.passes and config.backend == "eager":
-        raise ConfigError(
-            "passes run on Inductor's post-grad graph: use backend='inductor' (the eager compiler "
-            "compiles nothing), or a custom compiler that applies config.passes itself"
-        )
-    if config.backend == "inductor" or config.mode == "stock":
-        validation.check_inductor_keys(config.inductor_config)
+    config = validation.checked_config(config, overrides, prefix, dynamic_dims, on_compiled)
     check_backend(config)  # a custom compiler that does not import fails here, not at the first call
     validation.warn_if_untested_torch()
     compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)
     if dynamic_dims is not None:
         validation.check_dynamic_dim_names(compiled.signature, dynamic_dims)
     return compiled
-
-
-class Stage(enum.Enum):
-    """Where a compiled model is in its life (``compiled.stage``)."""
-
-    UNBUILT = "unbuilt"  # no trace yet
-    TRACING = "tracing"  # the first call is loading or tracing and compiling
-    READY = "ready"  # calls go through the traces' checks (traces.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class Lifecycle:
-    """Where a compiled model is in its life and what serves its calls, replaced whole at each
-    transition (a reader sees one consistent record, never half of two)."""
-
-    stage: Stage
-    call: Callable[..., Any]  # what ``compiled(...)`` runs: root hooks, the check, the forward
-    spec: call_check.CallSpec | None = None  # what the trace serving last assumed of a call
 
 
 class CompiledModel:
@@ -154,6 +107,9 @@ class CompiledModel:
         # the code fixes them), and a function marking dims of tensors nested in the arguments.
         self._soft_dims = False
         self._mark_nested: Callable[[dict[str, Any]], None] | None = None
+        self._served_eagerly = False  # the first call was served eagerly, its trace made beside it
+        self._counted_from: dict[str, int] = {}  # the counters when the first call started
+        self._guarded_reason: str | None = None  # the trace beside eager found graph breaks
         if RECORDER is not None:
             RECORDER.append(self)
 
@@ -176,6 +132,9 @@ class CompiledModel:
             # inside another tessera model, or by itself (recursion). The outer trace owns it:
             # it inlines the model, as torch.compile inlines a nested compiled function.
             return self.model(*args, **kwargs)
+        if PACER.threads:  # a trace or compile runs in the background: it gives way to this call
+            with PACER.serving():
+                return self._life.call(*args, **kwargs)
         return self._life.call(*args, **kwargs)
 
     # -- what a user reads ----------------------------------------------------------------------
@@ -230,8 +189,11 @@ class CompiledModel:
 
     @property
     def report(self) -> CompileReport | None:
-        """What the first call compiled or loaded, from where, at what cost (None before it)."""
-        return None if self.first_call_seconds is None else self._make_report()
+        """What the first call compiled or loaded, from where, at what cost (None before it, and
+        while calls are served eagerly before the first trace serves)."""
+        if self.first_call_seconds is None or self._life.stage is Stage.EAGER:
+            return None
+        return self._make_report()
 
     @property
     def ready(self) -> bool:
@@ -244,6 +206,9 @@ class CompiledModel:
         is compiled), at most ``timeout`` seconds; whether it is. A server gates its readiness on
         it; calls are served (by the general artifacts) meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        beside = self._traces.beside if self._traces is not None else None
+        if beside is not None and not beside.landed.wait(timeout):  # a trace made beside eager
+            return False
         for split_model in self._split_models():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not split_model.background.ready.wait(left):
@@ -338,7 +303,7 @@ class CompiledModel:
                 log.info("%s: first call kept by reference for bisection (%s)", self.name, e)
                 self.first_call = (args, dict(kwargs))
         start = time.perf_counter()
-        before = counters.snapshot()
+        self._counted_from = counters.snapshot()
         unbuilt = self._life
         self._move(stage=Stage.TRACING)
         try:
@@ -346,23 +311,24 @@ class CompiledModel:
         except BaseException:
             self._life = unbuilt  # the next call tries again
             raise
-        if call is not None:  # a path without traces (none, stock, guarded)
+        if call is not None:  # a path without traces (none, stock, guarded), or eager first
             self._move(call=call)
-        self._move(stage=Stage.READY)
         self.first_call_seconds = time.perf_counter() - start
-        self._counters = counter_delta(before, counters.snapshot())
+        if self._served_eagerly:  # the report once the trace made beside it serves (_install)
+            self._move(stage=Stage.EAGER)
+            return output
+        self._move(stage=Stage.READY)
+        self._first_reported()
+        return output
+
+    def _first_reported(self) -> None:
+        """The first call's report: logged, saved with the cache entry, given to ``on_compiled``."""
+        self._counters = counter_delta(self._counted_from, counters.snapshot())
         report = self._make_report()
         log.info("%s", report.summary())  # one line per model: cold or warm, cost, where
-        as_json = json.dumps(report.as_dict(), indent=1)
-        _compat.trace_artifact("tessera_compile_report", lambda: as_json, in_compile=False)
-        if self.cache_dir is not None:
-            save_report(self.cache_dir, report.kind, as_json)
-            # Again at exit, with every size served since and what compiled after the first call
-            # (background sizes, learnt sizes): what `tessera report ENTRY --html` draws.
-            atexit.register(_save_at_exit, weakref.ref(self), report.kind)
-        if self._on_compiled is not None:
-            self._on_compiled(report)
-        return output
+        ref = weakref.ref(self)
+        later = lambda: None if (model := ref()) is None else model._make_report()  # noqa: E731
+        publish(report, self.cache_dir, later, self._on_compiled)
 
     def _move(self, **changes: Any) -> None:
         """The next lifecycle record: this one with ``changes``, swapped in whole."""
@@ -385,6 +351,8 @@ class CompiledModel:
                 lambda: self._compile(args, kwargs),
             )
         values = bind_arguments(self._func, self._bound_to, args, kwargs)
+        if self._guarded_reason is not None:  # found by the trace made beside eager
+            return self._start_guarded(args, kwargs, values, self._guarded_reason)
         if mode == "stock":
             from tessera.wrapper import choose_dynamic_dims, mark_dynamic
 
@@ -393,6 +361,9 @@ class CompiledModel:
             return compiled(*args, **kwargs), compiled
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
+        if eager_first(self.compile_config):
+            traces.beside = Beside(self.name, self._target, functools.partial(traces.trace, run=False))
+            traces.beside.on_failure = self._trace_beside_failed
         other = traces.load_saved()
         if other is not None:  # recorded by an earlier process: graph breaks
             log.info("%s: %s (recorded by an earlier process)", self.name, other)
@@ -404,6 +375,14 @@ class CompiledModel:
                 raise
             record_guarded(self._traces.context if self._traces is not None else None, self.name, str(e))
             return self._start_guarded(args, kwargs, values, str(e))
+        if not traces.entries and traces.beside is not None:  # served eagerly: traced beside
+            self._served_eagerly = True
+            return output, hooks.around(self._module, self._eager_stage)
+        self._first_traced(traces)
+        return output, None
+
+    def _first_traced(self, traces: Traces) -> None:
+        """What the first trace cost, once it serves."""
         # Warm: a saved trace served the first call, and nothing was traced for it.
         self.warm_start = bool(traces.entries) and all(e.loaded for e in traces.entries)
         served = traces.last
@@ -411,33 +390,46 @@ class CompiledModel:
             self.startup_phases.update(served.split_model.phases)
         if traces.trace_seconds:
             self.startup_phases["trace"] = traces.trace_seconds
-        return output, None
+
+    # -- eager first (beside.py) --------------------------------------------------------------------
+    def _eager_stage(self, *args: Any, **kwargs: Any) -> Any:
+        """A call before the first trace serves: eagerly (the traces route it once one does)."""
+        traces = self._traces
+        assert traces is not None, "eager first serves a model with traces"
+        if torch.is_grad_enabled():  # the grad policy of a traced call, the model's own included
+            return as_inference(
+                self.name,
+                self._owner(),
+                lambda: grad_tensors((self.model, args, kwargs)),
+                lambda: traces.slow(args, kwargs),
+            )
+        return traces.slow(args, kwargs)
+
+    def _trace_beside_failed(self, error: BaseException) -> None:
+        """The trace made beside eager failed: graph breaks take the guarded path at the next call
+        (as at a first call); any other failure leaves the calls no trace covers to eager."""
+        traces = self._traces
+        first = self._life.stage is Stage.EAGER
+        if first and isinstance(error, UnsupportedModelError) and error.dynamo_error is not None:
+            record_guarded(traces.context if traces is not None else None, self.name, str(error))
+            self._guarded_reason = str(error)
+            self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+            return
+        log.warning(
+            "%s: %s cannot be traced (%s); served eagerly",
+            self.name,
+            "the model" if first else "a call no trace covers",
+            first_line(error),
+        )
 
     def _owner(self) -> Any:
         return self._module if self._module is not None else self._bound_to
 
     def _make_traces(self) -> Traces:
         config = self.compile_config
-        compiler = make_compiler(config.backend)
-        places = cache_places(config)
-        root, remote = places.root, places.remote
-        prefix = self.prefix or "model"
-        print_ = None
-        if root is not None:
-            start = time.perf_counter()
-            with between_compiles():  # another model's compile must not lend us its config patches
-                print_ = fingerprint_record(
-                    self._func,
-                    self._bound_to,
-                    self._dynamic_dims,
-                    config,
-                    warm_hash(compiler),
-                    prefix,
-                    rank_dir(),
-                ).digest
-            self.startup_phases["fingerprint"] = time.perf_counter() - start
-            if remote is not None:
-                fetch_pointer(remote, root, print_)
+        context = TraceContext.open(
+            config, self._func, self._bound_to, self._dynamic_dims, self.prefix, self.startup_phases
+        )
         model = Model(
             self.name,
             self._func,
@@ -447,7 +439,6 @@ class CompiledModel:
             self.signature,
             self._owner(),
         )
-        context = TraceContext(compiler, root, prefix, print_, remote)
         return Traces(model, config, context, self._dynamic_dims, self._install, self._lock)
 
     def _install(self, entry: TraceEntry) -> None:
@@ -467,6 +458,10 @@ class CompiledModel:
         call = hooks.around(self._module, checked)
         self._calls[id(entry)] = (entry, call)
         self._move(call=call, spec=entry.spec)
+        if self._life.stage is Stage.EAGER:  # the first trace, made beside eager, serves now
+            self._first_traced(traces)
+            self._move(stage=Stage.READY)
+            self._first_reported()
 
     def _start_guarded(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], reason: str

@@ -75,6 +75,24 @@ class GraphReceiver:
             config, prefix, cache_root=places.root, remote=places.remote, guarded=True, on_graph=on_graph
         )
 
+    @classmethod
+    def for_trace(cls, config: CompileConfig, context: Any, shared: dict[str, SplitModel]) -> GraphReceiver:
+        """The receiver of one trace of tessera's own (``context``: the model's TraceContext)."""
+        from tessera.compilers import make_compiler
+
+        return cls(
+            config,
+            context.prefix,
+            # A compiler of its own: a compiler writes into one entry at a time (initialize_cache),
+            # and this trace's compile runs while another trace's background compile writes into
+            # its own entry (one shared compiler sent one's piece files into the other's entry).
+            make_compiler(config.backend),
+            context.root,
+            context.remote,
+            serve_traced=True,
+            shared=shared,
+        )
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         if self.guarded:
             return self._guarded(gm, example_inputs)

@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -368,3 +370,33 @@ def model_report(
         sizes_served=sizes_served(split_models),
         learnt_sizes=tuple(s for b in split_models for s in b.learning.learnt_sizes),
     )
+
+
+def publish(
+    report: CompileReport,
+    cache_dir: Path | None,
+    later: Callable[[], CompileReport | None],
+    on_compiled: Callable[[CompileReport], Any] | None,
+) -> None:
+    """A first call's report: to torch's trace log, saved with the cache entry (and again at exit,
+    ``later()``: every size served since and what compiled after the first call, background and
+    learnt sizes, what ``tessera report ENTRY --html`` draws), and given to ``on_compiled``."""
+    from tessera import _compat
+
+    as_json = json.dumps(report.as_dict(), indent=1)
+    _compat.trace_artifact("tessera_compile_report", lambda: as_json, in_compile=False)
+    if cache_dir is not None:
+        save_report(cache_dir, report.kind, as_json)
+        atexit.register(_save_at_exit, later, cache_dir, report.kind)
+    if on_compiled is not None:
+        on_compiled(report)
+
+
+def _save_at_exit(later: Callable[[], CompileReport | None], cache_dir: Path, kind: str) -> None:
+    try:
+        report = later()
+        if report is not None:
+            as_dict = dataclasses.replace(report, kind=kind).as_dict()
+            save_report(cache_dir, kind, json.dumps(as_dict, indent=1))
+    except Exception as e:  # a record at exit is best effort: never an error at shutdown
+        log.debug("compile record not saved at exit: %s", e)

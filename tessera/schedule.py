@@ -19,6 +19,7 @@ from tessera.compile_pool import WorkerFanOut
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import CompilesInWorkers
 from tessera.config import CompileConfig, Size, size_label
+from tessera.pacing import PACER
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
 
@@ -196,6 +197,11 @@ class Background:
             )
 
 
+def _paced(fn: Callable[..., None], *args: Any) -> None:
+    with PACER.paced(counted=True):
+        fn(*args)
+
+
 def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Thread:
     """Run ``fn(*args)`` in a compile thread of its own (the background compile, the learning).
 
@@ -205,10 +211,15 @@ def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Th
     see _compat.isolate_fx_tracing). It runs in a copy of this thread's context: Inductor's and
     Dynamo's settings are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and
     a new thread starts with an empty context, so the user's settings, which the cache key has
-    read, would be missing from the compile."""
+    read, would be missing from the compile. It gives way to the calls being served (pacing.py)."""
     _compat.isolate_fx_tracing()
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(fn, *args), name=name, daemon=False)
-    thread.start()
+    thread = threading.Thread(target=context.run, args=(_paced, fn, *args), name=name, daemon=False)
+    PACER.expect()
+    try:
+        thread.start()
+    except BaseException:
+        PACER.not_started()
+        raise
     _compat.join_before_pools_shut(thread)
     return thread

@@ -4,6 +4,7 @@ and one trace (``TraceEntry``)."""
 from __future__ import annotations
 
 import inspect
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +28,40 @@ class TraceContext:
     prefix: str
     fingerprint: str | None
     remote: RemoteTier | None
+
+    @classmethod
+    def open(
+        cls,
+        config: Any,
+        func: types.FunctionType,
+        bound_to: object | None,
+        dynamic_dims: Any,
+        prefix: str | None,
+        phases: dict[str, float],
+    ) -> TraceContext:
+        """The context of a model's traces: its compiler, cache places and fingerprint (timed in
+        ``phases``), and the remote tier's pointer to its saved traces, fetched."""
+        from tessera.cache.entry import rank_dir
+        from tessera.cache.fleet import cache_places, fetch_pointer
+        from tessera.cache.key import fingerprint_record
+        from tessera.compile_state import between_compiles
+        from tessera.compilers import make_compiler, warm_hash
+
+        compiler = make_compiler(config.backend)
+        places = cache_places(config)
+        root, remote = places.root, places.remote
+        prefix = prefix or "model"
+        print_ = None
+        if root is not None:
+            start = time.perf_counter()
+            with between_compiles():  # another model's compile must not lend us its config patches
+                print_ = fingerprint_record(
+                    func, bound_to, dynamic_dims, config, warm_hash(compiler), prefix, rank_dir()
+                ).digest
+            phases["fingerprint"] = time.perf_counter() - start
+            if remote is not None:
+                fetch_pointer(remote, root, print_)
+        return cls(compiler, root, prefix, print_, remote)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ import torch
 
 from tessera import _compat, call_args, call_check, call_shapes, counters, warm
 from tessera.assumption import Mismatch
+from tessera.beside import Beside
 from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
-from tessera.compilers import make_compiler
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
@@ -117,6 +117,7 @@ class Traces:
         self._no_oblivious = False  # torch could not trace this model size-obliviously
         # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
+        self.beside: Beside | None = None  # eager first: calls no entry covers (beside.py)
 
     # -- making entries ---------------------------------------------------------------------
     def load_saved(self) -> OtherPath | None:
@@ -145,8 +146,15 @@ class Traces:
             nearest = self._nearest(args, kwargs, among=self.held)
             self.warm_refused = f"this call differs from the saved traces: {nearest.words}"
             log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
-            return self.trace(args, kwargs, nearest.words, nearest.mismatches)
-        return self.trace(args, kwargs, "the first call", [])
+            return self._trace_new(args, kwargs, nearest.words, nearest.mismatches)
+        return self._trace_new(args, kwargs, "the first call", [])
+
+    def _trace_new(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
+    ) -> Any:
+        """A call no entry covers: served eagerly and traced beside it (eager first), else traced."""
+        served = self.beside.serve(args, kwargs, reason, mismatches) if self.beside is not None else None
+        return served[0] if served is not None else self.trace(args, kwargs, reason, mismatches)
 
     def trace(
         self,
@@ -154,21 +162,24 @@ class Traces:
         kwargs: dict[str, Any],
         reason: str,
         mismatches: list[Mismatch],
+        run: bool = True,
     ) -> Any:
         """Trace this call once more (widening the plan by what changed), add and serve it. A trace
-        that fails on the call's values where eager fails too raises eager's error (the caller's)."""
-        with self._lock, self._eager_errors_first(args, kwargs):
+        that fails on the call's values where eager fails too raises eager's error (the caller's).
+        ``run=False``: the call is not run (eager served it: beside.py), and the output is None."""
+        failing = self._eager_errors_first(args, kwargs) if run else contextlib.nullcontext()
+        with self._lock, failing:
             changed = changed_since_every_entry(self.model.signature, self.entries, args, kwargs)
             names = call_args.argument_names(self.model.signature, args, kwargs)
             self.plan = widened(self.plan, names, [*mismatches, *changed])
             try:
-                output = self._trace(args, kwargs, reason)
+                output = self._trace(args, kwargs, reason, run)
             except SizeFixedError as e:
                 # The code fixes the size of a dim marked dynamic: marked "maybe dynamic" from
                 # now on, Dynamo keeps it static, and each size it fixes is an entry of its own.
                 log.info("%s: %s; its size is traced as the code fixes it", self.model.name, e)
                 self.plan = dataclasses.replace(self.plan, soft=True)
-                output = self._trace(args, kwargs, reason)
+                output = self._trace(args, kwargs, reason, run)
             self._retire_widened(mismatches)
             return output
 
@@ -191,7 +202,7 @@ class Traces:
         undo = functools.partial(setattr, self, "plan", self.plan)
         return eager_errors_first(self.model.name, self.model.target, args, kwargs, undo)
 
-    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
+    def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, run: bool) -> Any:
         values = bind_arguments(self.model.func, self.model.bound_to, args, kwargs)
         newcomers = [
             d for d in newcomer_dims(self.plan, values, bool(self.entries)) if d not in self.plan.dims
@@ -205,12 +216,12 @@ class Traces:
             self.config.dynamic_shapes in ("backed", "backed_size_oblivious") and not self._no_oblivious
         )
         try:
-            return self._trace_with(args, kwargs, values, choice, reason, oblivious)
+            return self._trace_with(args, kwargs, values, choice, reason, oblivious, run)
         except TracedAtOne as e:
             # This call has a size an op of the graph treats apart (``x.squeeze()`` at 1): traced
             # as Dynamo does by default, which makes sizes 0 and 1 static.
             log.info("%s: %s; traced for that size", self.model.name, e)
-            return self._trace_with(args, kwargs, values, choice, reason, False)
+            return self._trace_with(args, kwargs, values, choice, reason, False, run)
         except SizeFixedError:
             raise
         except Exception as e:
@@ -221,14 +232,14 @@ class Traces:
                 # holds that size static (a decode step's batch of 1 in the cache's tensors): this
                 # call is traced for its size; the model's other traces stay size-oblivious.
                 log.info("%s: %s; traced for this call's sizes", self.model.name, first_line(e))
-                return self._trace_with(args, kwargs, values, choice, reason, False)
+                return self._trace_with(args, kwargs, values, choice, reason, False, run)
             # A size-oblivious trace torch cannot make (a kernel's meta function that needs the
             # size): traced as Dynamo does by default, sizes 0 and 1 then get entries of their own.
             # The model's later traces go that way at once (each failed attempt costs a trace).
             log.info(
                 "%s: no size-oblivious trace (%s); tracing with sizes >= 2", self.model.name, first_line(e)
             )
-            output = self._trace_with(args, kwargs, values, choice, reason, False)
+            output = self._trace_with(args, kwargs, values, choice, reason, False, run)
             self._no_oblivious = True  # not after a call that fails either way (the caller's error)
             return output
 
@@ -240,20 +251,10 @@ class Traces:
         choice: DynamicChoice,
         reason: str,
         oblivious: bool,
+        run: bool,
     ) -> Any:
         context, model = self.context, self.model
-        receiver = GraphReceiver(
-            self.config,
-            context.prefix,
-            # A compiler of its own: a compiler writes into one entry at a time (initialize_cache),
-            # and this trace's compile runs while another trace's background compile writes into
-            # its own entry (one shared compiler sent one's piece files into the other's entry).
-            make_compiler(self.config.backend),
-            context.root,
-            context.remote,
-            serve_traced=True,
-            shared=self._by_graph,
-        )
+        receiver = GraphReceiver.for_trace(self.config, context, self._by_graph)
         start, wall = time.perf_counter(), time.time()
         before = versions(args, kwargs)
         nested = [t for t, _ in nested_tensors(self.plan, args, kwargs)]
@@ -277,6 +278,7 @@ class Traces:
                 recorder(self.model, args, kwargs, choice, oblivious, hinted_small, self._dropped),
                 self.plan.state,
                 size_oblivious=oblivious,
+                run=run,
             )
         mutated = changed_arguments(before, args, kwargs)
         tensors = frozenset(n for n, v in values.items() if isinstance(v, torch.Tensor))
@@ -414,6 +416,8 @@ class Traces:
         served = self._serve_existing(args, kwargs)
         if served is not None:
             return served[0]
+        if self.beside is not None and self.beside.busy():  # a trace in flight: it may cover this
+            return self.beside.eager(args, kwargs)
         with self._lock:
             served = self._serve_existing(args, kwargs)  # another thread may have traced it
             if served is None and self.held:
@@ -431,7 +435,9 @@ class Traces:
                     f"{self.model.name}: {reason}; the model writes to this argument, so tessera "
                     "cannot copy it into the traced layout: pass it in that layout (.contiguous())"
                 )
-            return self.trace(args, kwargs, reason, mismatches)
+            if self.beside is None:
+                return self.trace(args, kwargs, reason, mismatches)
+        return self._trace_new(args, kwargs, reason, mismatches)  # eager runs outside the lock
 
     def route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call from the top: the last entry's check, then the rest."""

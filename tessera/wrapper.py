@@ -180,6 +180,7 @@ def trace_once(
     on_guards: GuardReader,
     dynamic_state: tuple[str, ...] = (),
     size_oblivious: bool = False,
+    run: bool = True,
 ) -> Trace:
     """Trace ``entry(target, *args, **kwargs)`` with every guard dropped, after ``on_guards`` has
     read them (Dynamo builds guards after the graph is compiled and before the first call runs,
@@ -190,6 +191,9 @@ def trace_once(
 
     The returned callable runs the bytecode Dynamo produced (graph call plus input/output
     plumbing) as a plain function, so later calls never enter Dynamo's frame evaluation.
+
+    ``run=False`` ends the trace once the guards are read, before the frame runs: the trace's
+    output is None, and the call's side effects are not made (eager made them: see beside.py).
     """
     code = entry.__code__
     captured: list[types.CodeType] = []
@@ -220,6 +224,8 @@ def trace_once(
             raise  # before the frame runs: the call's side effects happen once, in the next trace
         except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
             failed.append(e)
+        if not run:
+            raise NotRun  # Dynamo builds the guards after its bytecode hooks: the code is captured
         return [False] * len(entries)
 
     compiled = torch.compile(
@@ -235,6 +241,8 @@ def trace_once(
         # lines about it stay off stderr.
         with _compat.single_trace_settings(dynamic_state, size_oblivious), _compat.trace_failure_logs_quiet():
             output = _traced_call(compiled, target, args, kwargs)
+    except NotRun:
+        output = None
     except _compat.trace_errors() as e:
         # Users asked for the cause and the source line, not Dynamo's stack: the original error
         # stays reachable as .dynamo_error instead of being printed as the cause.
@@ -307,6 +315,11 @@ def size_one_symbols(gm: torch.fx.GraphModule) -> frozenset[str]:
     return frozenset(out)
 
 
+class NotRun(Exception):
+    """Raised by the guard reader of a trace made with ``run=False``: the trace is complete, and
+    the frame must not run."""
+
+
 class TraceAgain(Exception):
     """Raised by a guard reader to end a trace before its frame runs (the call's side effects, a
     KV cache's writes, must happen once): the trace does not hold for the very call it was made
@@ -314,18 +327,18 @@ class TraceAgain(Exception):
 
 
 def _traced_call(compiled: Callable[..., Any], target: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """``compiled(target, *args, **kwargs)``, with a TraceAgain Dynamo wrapped unwrapped."""
+    """``compiled(target, *args, **kwargs)``, with a TraceAgain or NotRun Dynamo wrapped unwrapped."""
     try:
         return compiled(target, *args, **kwargs)
-    except TraceAgain:
+    except (TraceAgain, NotRun):
         raise
     except Exception as e:
         cause: BaseException | None = e
         for _ in range(8):  # Dynamo wraps an error of a guard callback in its own
-            if cause is None or isinstance(cause, TraceAgain):
+            if cause is None or isinstance(cause, (TraceAgain, NotRun)):
                 break
             cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, TraceAgain):
+        if isinstance(cause, (TraceAgain, NotRun)):
             raise cause from None
         raise
 

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import re
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -169,6 +170,18 @@ def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None
     from torch._dynamo.convert_frame import register_bytecode_hook as register
 
     return register(hook)  # type: ignore[arg-type]
+
+
+def default_stance() -> bool:
+    """Whether ``torch.compiler.set_stance`` is at its default (tessera's eager first is off under
+    any other stance: the user chose how compiled code runs).
+
+    Checked on torch 2.11, 2.13: reads the private ``torch._dynamo.eval_frame._stance``; the public
+    API sets the stance but has no getter. Dynamo is not imported for it (a second, before eager's
+    first output): a stance is set through it, so without it the stance is the default."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    stance = getattr(eval_frame, "_stance", None)
+    return getattr(stance, "stance", "default") == "default"
 
 
 def reset_code(code: types.CodeType) -> None:

@@ -5,11 +5,12 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -150,3 +151,54 @@ def isolate_fx_tracing() -> None:
     part on 2.13 only): see the two it calls for the private state each wraps."""
     isolate_fx_tracing_flag()
     isolate_fx_patches()
+    isolate_compiling_flag()
+
+
+_COMPILING_HERE = threading.local()  # per thread: how deep in Dynamo's compile session it is
+
+
+def _compiling_in_this_thread() -> bool:
+    return getattr(_COMPILING_HERE, "depth", 0) > 0
+
+
+@functools.cache
+def isolate_compiling_flag() -> None:
+    """Make ``torch.compiler.is_compiling()`` answer for the calling thread only.
+
+    Reason: torch 2.13 holds the process-wide ``torch.compiler._is_compiling_flag`` True for the
+    length of a Dynamo compile (``_compile_session_context``). While a trace runs in a background
+    thread (beside eager, beside.py), code in another thread that asks ``is_compiling()`` (tessera's
+    own ``CompiledModel.__call__``, a Hugging Face model's ``is_torchdynamo_compiling()``) took the
+    traced branch at eager runtime. Here the session context also counts its depth per thread, and
+    ``is_compiling``'s code (not the function: Dynamo folds calls to that object into a constant)
+    also asks that count. Where torch has no such session flag (before 2.13) this does nothing.
+
+    Checked on torch 2.13.
+    """
+    module = sys.modules.get("torch.compiler")
+    original = getattr(module, "_compile_session_context", None)
+    if module is None or original is None or not hasattr(module, "_is_compiling_flag"):
+        return
+
+    @contextlib.contextmanager
+    def session() -> Iterator[None]:
+        depth = getattr(_COMPILING_HERE, "depth", 0)
+        _COMPILING_HERE.depth = depth + 1
+        try:
+            with original():
+                yield
+        finally:
+            _COMPILING_HERE.depth = depth
+
+    setattr(module, "_compile_session_context", session)  # noqa: B010  (a private name of torch's)
+    module.__dict__["_tessera_compiling_in_this_thread"] = _compiling_in_this_thread
+
+    def is_compiling() -> bool:
+        if torch.jit.is_scripting():  # type: ignore[attr-defined]
+            return False
+        return bool(
+            _is_compiling_flag  # type: ignore[name-defined]  # noqa: F821  (a name of that module)
+            and _tessera_compiling_in_this_thread()  # type: ignore[name-defined]  # noqa: F821
+        )
+
+    module.is_compiling.__code__ = is_compiling.__code__

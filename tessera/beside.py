@@ -1,0 +1,175 @@
+"""Eager first: a call no trace covers is served eagerly, and traced beside it.
+
+With background compile on, the first call of a cold process (and later, each call no trace
+covers) is answered by the model's own forward on the calling thread; a copy of the call is
+traced in a thread of its own, after eager answered (the two never compete for the GIL on that
+call). The trace ends before its frame would run (``wrapper.trace_once(run=False)``): the model's
+state, a Hugging Face cache, the RNG are written once, by eager. It traces what the call saw: its
+arguments are copied before eager runs, so later calls changing them change nothing here. Once the
+trace serves, its check applies to every call, and its pieces compile beside it (schedule.py).
+
+Calls that arrive while a trace is being made are served eagerly too. A model whose trace fails
+keeps serving eagerly: said once, with the reason. Background threads give way to the calls being
+served (pacing.py), so eager's latency holds while the trace and the compiles run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tessera import _compat, counters
+from tessera.assumption import Mismatch
+from tessera.errors import first_line
+
+log = logging.getLogger(__name__)
+
+# trace(args, kwargs, reason, mismatches): a trace of the call that does not run it (traces.py).
+Tracer = Callable[[tuple[Any, ...], dict[str, Any], str, list[Mismatch]], Any]
+
+
+def eager_first(config: Any) -> bool:
+    """Whether a call no trace covers is served eagerly and traced beside it: with background
+    compile on, for the traced modes, unless the user asked for the refusal of graph breaks at the
+    first call (``fullgraph``) or set torch.compile's stance (``torch.compiler.set_stance``)."""
+    return bool(
+        config.background_compile
+        and not config.fullgraph
+        and config.mode in ("trace_once", "piecewise")
+        and _compat.default_stance()
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CallerState:
+    """The calling thread's state a trace depends on, to make it again in another thread: grad
+    mode, inference mode and autocast are per thread (the default dtype is per process)."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def current(cls) -> CallerState | None:
+        """This thread's state; None under a torch-function mode (``with torch.device(...)``),
+        which another thread cannot enter as the caller did: such a call is traced where it is."""
+        autocast, _, modes = _compat.call_state()
+        if modes:
+            return None
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            yield
+
+
+@dataclasses.dataclass(frozen=True)
+class BesideTrace:
+    """One trace made beside eager: when it started (wall clock), how long it took, why it was
+    made, and how it ended (None: it serves)."""
+
+    started: float
+    seconds: float
+    reason: str
+    failure: str | None
+
+
+class Beside:
+    """Eager serving and the one trace in flight beside it, for one model."""
+
+    def __init__(self, name: str, forward: Callable[..., Any], trace: Tracer) -> None:
+        self.name = name
+        self._forward = forward
+        self._trace = trace
+        self._lock = threading.Lock()
+        self._pending = False
+        self.landed = threading.Event()  # set while no trace is in flight
+        self.landed.set()
+        self.failure: BaseException | None = None  # the trace that failed: eager from then on
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self.eager_calls = 0
+        self.made: list[BesideTrace] = []
+
+    def busy(self) -> bool:
+        """Whether a call no trace covers is served eagerly with no trace started for it: one is in
+        flight, or the model's trace failed."""
+        return self._pending or self.failure is not None
+
+    def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call served by the model's own forward."""
+        self.eager_calls += 1
+        counters.bump("served_eagerly")
+        return self._forward(*args, **kwargs)
+
+    def serve(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
+    ) -> tuple[Any] | None:
+        """``(eager's output,)``, this call traced beside it when no trace is in flight; None when
+        the call cannot be traced elsewhere (the caller traces it, as without eager first)."""
+        state = CallerState.current()
+        if state is None:
+            return None
+        with self._lock:
+            start = not self.busy()
+            if start:
+                self._pending = True
+                self.landed.clear()
+        if not start:
+            return (self.eager(args, kwargs),)
+        try:
+            # What the call saw, before eager changes it (a cache it fills, a tensor it writes).
+            seen = copy.deepcopy((args, kwargs))
+        except Exception as e:  # an argument that cannot be copied: traced on this thread
+            log.info("%s: the call cannot be copied to trace beside eager (%s)", self.name, first_line(e))
+            self._done()
+            return None
+        try:
+            output = self.eager(args, kwargs)
+        except BaseException:
+            self._done()  # eager's error is the caller's: no trace of a call eager rejects
+            raise
+        from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
+
+        start_thread(f"tessera-trace-{self.name}", self._run, seen, reason, mismatches, state)
+        return (output,)
+
+    def _run(
+        self,
+        seen: tuple[tuple[Any, ...], dict[str, Any]],
+        reason: str,
+        mismatches: list[Mismatch],
+        state: CallerState,
+    ) -> None:
+        started, start = time.time(), time.perf_counter()
+        failure: str | None = None
+        try:
+            with state.applied():
+                self._trace(seen[0], seen[1], reason, mismatches)
+        except Exception as e:
+            failure = first_line(e)
+            self.failure = e
+            log.debug("%s: the trace beside eager failed", self.name, exc_info=True)
+            if self.on_failure is not None:
+                self.on_failure(e)
+        finally:
+            self.made.append(BesideTrace(started, time.perf_counter() - start, reason, failure))
+            self._done()
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending = False
+            self.landed.set()

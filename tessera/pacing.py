@@ -1,0 +1,123 @@
+"""Background work that gives way to the calls a process serves.
+
+A trace or a compile in a background thread is Python, and holds the GIL between its bytecodes. A
+call served meanwhile releases the GIL in every op and must win it back: CPython hands it over only
+after the switch interval (5 ms), so each op of a served call could wait 5 ms, and a 3 ms eager
+call was seen to take 470 ms beside a Dynamo trace (the toy Llama, 4 layers, 2-core CPU). So the
+background threads are *paced*: each runs under a trace function that, while a call is being
+served, waits until it ends (the GIL is then the served call's alone), and the switch interval is
+shortened while one runs, so a call that starts gets the GIL at once. Under a stream with no gap
+between calls the background would never run; it then takes a slice of a third of a served call's
+typical time after waiting two of them, so a call is slower by a fraction of itself, and the
+background still finishes.
+
+A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
+some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
+function costs the background thread about 1.8x its time (measured on a Dynamo trace, Python
+3.11): the price of serving at eager's speed while the trace and the compiles run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+_SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
+_WAIT = 2.0  # typical calls the background waits before it takes a slice
+_MIN_WAIT = 0.002
+_SWITCH = 0.0002  # seconds: the switch interval while a thread is paced
+
+
+class Pacer:
+    """The process's served calls and paced threads (one per process: ``PACER``)."""
+
+    def __init__(self) -> None:
+        self.threads = 0  # read by every served call: nonzero while some background thread is paced
+        self._lock = threading.Lock()
+        self._serving = 0
+        self._quiet = threading.Event()  # set while no call is being served
+        self._quiet.set()
+        # A served call's typical time (seconds), an average that an outlier moves little: the
+        # background's slice and wait under a stream with no gaps scale with it.
+        self.typical = 0.005
+        self._interval: float | None = None  # the switch interval before, while a thread is paced
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count a call being served: paced background threads wait while one is."""
+        with self._lock:
+            self._serving += 1
+            self._quiet.clear()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - start
+            with self._lock:
+                self._serving -= 1
+                if not self._serving:
+                    self._quiet.set()
+                self.typical = 0.8 * self.typical + 0.2 * min(took, 2 * self.typical)
+
+    def expect(self) -> None:
+        """Count a paced thread about to start, from the thread that starts it: calls served from
+        now on are counted, so none runs uncounted beside a thread not yet in ``paced``. The
+        thread's ``paced(counted=True)`` takes the count back when it ends."""
+        with self._lock:
+            self._count(1)
+
+    def not_started(self) -> None:
+        """Take back ``expect``'s count of a thread that did not start."""
+        with self._lock:
+            self._count(-1)
+
+    def _count(self, change: int) -> None:
+        """threads += change, under the lock; the switch interval shortened while it is nonzero."""
+        self.threads += change
+        # Reason: a call that starts while a paced thread runs waits for the GIL until the switch
+        # interval forces it over (5 ms by default, as long as a small model's whole call); at
+        # 0.2 ms it starts at once, and then the paced thread waits. Put back when none is paced.
+        if change > 0 and self.threads == change:
+            self._interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._interval, _SWITCH))
+        elif self.threads == 0 and self._interval is not None:
+            if sys.getswitchinterval() == min(self._interval, _SWITCH):  # not changed since
+                sys.setswitchinterval(self._interval)
+            self._interval = None
+
+    @contextlib.contextmanager
+    def paced(self, counted: bool = False) -> Iterator[None]:
+        """Run the body (in a background thread) giving way to served calls: see the module's
+        doc. Python's trace function is per thread: the calling thread only is paced.
+        ``counted``: the starting thread called ``expect`` for it."""
+        previous = sys.gettrace()
+        until = [0.0]  # the end of the slice the background took, while a call is served
+        is_quiet, wait, now = self._quiet.is_set, self._quiet.wait, time.perf_counter
+
+        def give_way(frame: Any, event: str, arg: Any) -> None:
+            if is_quiet() or now() < until[0]:
+                return None
+            if not wait(max(_MIN_WAIT, _WAIT * self.typical)):  # a call without end: take a slice
+                until[0] = now() + _SLICE * self.typical
+            return None
+
+        if not counted:
+            with self._lock:
+                self._count(1)
+        # Reason: waiting in a trace function (on 'call' events only: no line events, the cheapest
+        # hook CPython 3.10-3.13 all have) hands the GIL over at once. A debugger's trace
+        # function, if any, is put back after.
+        sys.settrace(give_way)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+            with self._lock:
+                self._count(-1)
+
+
+PACER = Pacer()
