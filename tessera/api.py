@@ -305,6 +305,7 @@ class CompiledModel:
         start = time.perf_counter()
         self._counted_from = counters.snapshot()
         unbuilt = self._life
+        self._served_eagerly = False  # set again by _compile where eager serves this call
         self._move(stage=Stage.TRACING)
         try:
             output, call = self._compile(args, kwargs)

@@ -19,6 +19,13 @@ from tessera.models import toy_llama
 from tests.child import run_toy
 
 
+@pytest.fixture(autouse=True)
+def _trace_on_the_first_call(monkeypatch):
+    """These tests follow a trace's pieces from traced to compiled: the first call traces (eager
+    first, where the first calls are served eagerly while the trace is made, is tests/test_eager_first.py)."""
+    monkeypatch.setattr(tessera.api, "eager_first", lambda config: False)
+
+
 class GatedCompiler:
     """Runs graphs as Python; a general compile waits for ``general_gate``, a compile for a static
     size or a range for ``gate`` (the test holds the background compile where it wants it), and

@@ -34,6 +34,7 @@ from tessera._compat.bytecode import (
 from tessera._compat.fx import (
     isolate_fx_patches as isolate_fx_patches,
     isolate_fx_tracing as isolate_fx_tracing,
+    isolate_compiling_flag as isolate_compiling_flag,
     isolate_fx_tracing_flag as isolate_fx_tracing_flag,
 )
 from tessera._compat.guards import (

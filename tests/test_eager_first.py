@@ -1,0 +1,212 @@
+"""Eager first: with background compile on, a call no trace covers is answered by the model's own
+forward while its trace is made in another thread (beside.py); background threads give way to the
+calls served (pacing.py)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+import threading
+import time
+
+import pytest
+import torch
+
+import tessera
+from tessera import _compat, counters
+from tessera.api import Stage
+from tessera.pacing import PACER
+
+
+@pytest.fixture(autouse=True)
+def _background_on(monkeypatch):
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+
+
+class Counting(torch.nn.Module):
+    """Writes its own state on every call: a buffer in place, and a Python int."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.steps += 1
+        return torch.relu(self.lin(x)) * 2
+
+
+def eagerly() -> int:
+    return counters.snapshot()["served_eagerly"]
+
+
+def expected(model: Counting, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.relu(model.lin(x)) * 2
+
+
+def test_the_first_call_is_served_eagerly_and_the_state_is_written_once_per_call():
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    x = torch.randn(3, 8)
+    with counters.expect(served_eagerly=1):
+        torch.testing.assert_close(compiled(x), expected(model, x))
+    assert compiled.stage in (Stage.EAGER, Stage.READY)
+    assert compiled.wait_ready(60)
+    assert compiled.stage is Stage.READY and len(compiled.traces) == 1
+    for n in (3, 5, 17):  # served by the trace, sizes it was not made for included
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), expected(model, x))
+    # The trace did not run the forward a second time: four calls, four writes.
+    assert int(model.calls) == 4 and model.steps == 4
+    assert compiled.report is not None and compiled.report.kind == "cold"
+
+
+def test_the_trace_sees_the_first_call_as_it_was_not_as_the_caller_changed_it_after():
+    def model(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(xs).sum(0) * 3
+
+    compiled = tessera.compile(model, backend="eager")
+    xs = [torch.randn(4), torch.randn(4)]
+    torch.testing.assert_close(compiled(xs), model(xs))
+    xs.append(torch.randn(4))  # the caller reuses its list; the trace was of two tensors
+    xs[0].mul_(10)
+    assert compiled.wait_ready(60)
+    assert len(compiled.traces) == 1
+    two = [torch.randn(4), torch.randn(4)]
+    with counters.expect(served_eagerly=0):  # the trace was of two tensors: it serves this
+        torch.testing.assert_close(compiled(two), model(two))
+    with counters.expect(served_eagerly=1):  # three: no trace covers it yet
+        torch.testing.assert_close(compiled(xs), model(xs))
+
+
+def test_calls_while_the_trace_is_made_are_served_eagerly_and_a_later_miss_is_traced_beside():
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    xs = [torch.randn(n, 8) for n in (2, 3, 4, 5, 6)]
+    for x in xs:  # some of these are served eagerly, some by the trace once it serves
+        torch.testing.assert_close(compiled(x), expected(model, x))
+    assert compiled.wait_ready(60)
+    before = eagerly()
+    x = torch.randn(2, 3, 8)  # another rank: no trace covers it, eager serves it
+    torch.testing.assert_close(compiled(x), expected(model, x))
+    assert eagerly() == before + 1
+    assert compiled.wait_ready(60)
+    assert len(compiled.traces) == 2, "the miss was traced beside eager"
+    with counters.expect(served_eagerly=0):
+        torch.testing.assert_close(compiled(x), expected(model, x))
+    assert int(model.calls) == model.steps == 7
+
+
+def test_grad_enabled_calls_are_served_under_the_grad_policy_while_eager():
+    model = Counting()  # parameters require grad, as made
+    compiled = tessera.compile(model, backend="eager")
+    with pytest.raises(tessera.GradientsNotSupportedError):
+        compiled(torch.randn(2, 8))
+    frozen = Counting().requires_grad_(False)
+    compiled = tessera.compile(frozen, backend="eager")
+    out = compiled(torch.randn(2, 8))  # grad enabled, nothing requires grad: inference
+    assert not out.requires_grad and out.grad_fn is None
+    assert compiled.wait_ready(60)
+
+
+def test_a_model_whose_trace_fails_keeps_serving_eagerly_with_one_warning(monkeypatch, caplog):
+    from tessera import traces
+
+    def refuse(*args, **kwargs):
+        raise tessera.UnsupportedArgumentError("tessera cannot take argument 'x' (a test)")
+
+    monkeypatch.setattr(traces, "trace_once", refuse)
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    with caplog.at_level(logging.WARNING, logger="tessera.api"):
+        for n in (2, 3, 4):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(compiled(x), expected(model, x))
+            assert compiled.wait_ready(60)
+    said = [r for r in caplog.records if "served eagerly" in r.getMessage()]
+    assert len(said) == 1 and "cannot take argument" in said[0].getMessage()
+    assert compiled.stage is Stage.EAGER and eagerly() == 3
+
+
+def test_a_model_with_graph_breaks_takes_the_guarded_path_after_its_eager_first_call():
+    def model(x: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        torch._dynamo.graph_break()
+        return y.cos() + 1
+
+    compiled = tessera.compile(model, backend="eager")
+    x = torch.randn(4)
+    with counters.expect(served_eagerly=1):
+        torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.wait_ready(60)
+    for n in (4, 6):
+        x = torch.randn(n)
+        with pytest.warns(tessera.TesseraWarning, match="graph breaks") if n == 4 else nullcontext():
+            torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.stage is Stage.READY and compiled.traces == ()
+
+
+def test_background_compile_false_traces_on_the_first_call():
+    model = Counting().requires_grad_(False)
+    x = torch.randn(3, 8)
+    compiled = tessera.compile(model, backend="eager", background_compile=False)
+    torch.testing.assert_close(compiled(x), expected(model, x))
+    assert eagerly() == 0
+    assert compiled.stage is Stage.READY and len(compiled.traces) == 1
+
+
+def test_a_paced_thread_waits_while_a_call_is_served():
+    ticks = [0]
+    stop = threading.Event()
+
+    def work() -> None:
+        def step() -> None:
+            ticks[0] += 1
+
+        with PACER.paced():
+            while not stop.is_set():
+                step()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    try:
+        start = ticks[0]
+        time.sleep(0.2)
+        quiet = ticks[0] - start
+        with PACER.serving():
+            start = ticks[0]
+            time.sleep(0.2)  # a call that takes 0.2 s: the paced thread takes slices only
+            during = ticks[0] - start
+    finally:
+        stop.set()
+        thread.join()
+    assert quiet > 0 and during < 0.5 * quiet, (quiet, during)
+    assert PACER.threads == 0
+
+
+def test_is_compiling_answers_for_the_compiling_thread_only():
+    _compat.isolate_compiling_flag()
+    if not hasattr(torch.compiler, "_compile_session_context"):
+        pytest.skip("this torch has no process-wide compile session flag")
+    inside = threading.Event()
+    leave = threading.Event()
+    seen: list[bool] = []
+
+    def compile_session() -> None:
+        with torch.compiler._compile_session_context():
+            seen.append(torch.compiler.is_compiling())
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=compile_session)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert torch.compiler.is_compiling() is False  # this thread compiles nothing
+    finally:
+        leave.set()
+        thread.join()
+    assert seen == [True]
