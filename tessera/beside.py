@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # trace(args, kwargs, reason, mismatches): a trace of the call that does not run it (traces.py).
 Tracer = Callable[[tuple[Any, ...], dict[str, Any], str, list[Mismatch]], Any]
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # a call's arguments, as copied
+Job = tuple[Call, str, list[Mismatch], "CallerState"]  # a call to trace, why, in what state
+MISSED = 4  # calls kept while a trace is in flight, at most
 
 
 def eager_first(config: Any) -> bool:
@@ -103,6 +106,9 @@ class Beside:
         self.on_failure: Callable[[BaseException], None] | None = None
         self.eager_calls = 0
         self.made: list[BesideTrace] = []
+        self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
+        # uncovered(call): why no trace covers it, (reason, mismatches), or None (traces.py).
+        self.uncovered: Callable[[Call], tuple[str, list[Mismatch]] | None] | None = None
 
     def busy(self) -> bool:
         """Whether a call no trace covers is served eagerly with no trace started for it: one is in
@@ -114,6 +120,20 @@ class Beside:
         self.eager_calls += 1
         counters.bump("served_eagerly")
         return self._forward(*args, **kwargs)
+
+    def missed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call no trace covers while one is in flight: served eagerly, and kept (a copy, as it
+        was) among the first few such calls, each traced after the one in flight if no trace made
+        by then covers it, as it would have been traced had it come alone (a process that stops
+        meanwhile still leaves every trace its calls needed in the cache)."""
+        if self.failure is None and len(self._missed) < MISSED:
+            state = CallerState.current()
+            seen = _copied(self.name, args, kwargs) if state is not None else None
+            if seen is not None and state is not None:
+                with self._lock:
+                    if self._pending and len(self._missed) < MISSED:
+                        self._missed.append((seen, state))
+        return self.eager(args, kwargs)
 
     def serve(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
@@ -129,31 +149,27 @@ class Beside:
                 self._pending = True
                 self.landed.clear()
         if not start:
-            return (self.eager(args, kwargs),)
-        try:
-            # What the call saw, before eager changes it (a cache it fills, a tensor it writes).
-            seen = copy.deepcopy((args, kwargs))
-        except Exception as e:  # an argument that cannot be copied: traced on this thread
-            log.info("%s: the call cannot be copied to trace beside eager (%s)", self.name, first_line(e))
-            self._done()
+            return (self.missed(args, kwargs),)
+        seen = _copied(self.name, args, kwargs)  # what the call saw, before eager changes it
+        if seen is None:  # an argument that cannot be copied: traced on this thread
+            self._next()
             return None
         try:
             output = self.eager(args, kwargs)
         except BaseException:
-            self._done()  # eager's error is the caller's: no trace of a call eager rejects
+            self._next()  # eager's error is the caller's: no trace of a call eager rejects
             raise
         from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
 
-        start_thread(f"tessera-trace-{self.name}", self._run, seen, reason, mismatches, state)
+        start_thread(f"tessera-trace-{self.name}", self._run, (seen, reason, mismatches, state))
         return (output,)
 
-    def _run(
-        self,
-        seen: tuple[tuple[Any, ...], dict[str, Any]],
-        reason: str,
-        mismatches: list[Mismatch],
-        state: CallerState,
-    ) -> None:
+    def _run(self, job: Job | None) -> None:
+        while job is not None:
+            self._trace_one(*job)
+            job = self._next()
+
+    def _trace_one(self, seen: Call, reason: str, mismatches: list[Mismatch], state: CallerState) -> None:
         started, start = time.time(), time.perf_counter()
         failure: str | None = None
         try:
@@ -167,9 +183,27 @@ class Beside:
                 self.on_failure(e)
         finally:
             self.made.append(BesideTrace(started, time.perf_counter() - start, reason, failure))
-            self._done()
 
-    def _done(self) -> None:
-        with self._lock:
-            self._pending = False
-            self.landed.set()
+    def _next(self) -> Job | None:
+        """The next call kept while a trace was in flight that no trace covers now; None (and no
+        trace in flight from then on) when none is left."""
+        while True:
+            with self._lock:
+                if not self._missed or self.failure is not None:
+                    self._missed.clear()
+                    self._pending = False
+                    self.landed.set()
+                    return None
+                seen, state = self._missed.pop(0)
+            why = self.uncovered(seen) if self.uncovered is not None else None
+            if why is not None:
+                return (seen, why[0], why[1], state)
+
+
+def _copied(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+    """A copy of the call's arguments (tensors, caches, containers), or None when one cannot be."""
+    try:
+        return copy.deepcopy((args, kwargs))
+    except Exception as e:
+        log.info("%s: the call cannot be copied to trace beside eager (%s)", name, first_line(e))
+        return None

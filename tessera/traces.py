@@ -167,7 +167,10 @@ class Traces:
         """Trace this call once more (widening the plan by what changed), add and serve it. A trace
         that fails on the call's values where eager fails too raises eager's error (the caller's).
         ``run=False``: the call is not run (eager served it: beside.py), and the output is None."""
-        failing = self._eager_errors_first(args, kwargs) if run else contextlib.nullcontext()
+        # A call eager rejects too leaves the plan as it was (no reason to make a dim dynamic).
+        undo = functools.partial(setattr, self, "plan", self.plan)
+        name, target = self.model.name, self.model.target
+        failing = eager_errors_first(name, target, args, kwargs, undo) if run else contextlib.nullcontext()
         with self._lock, failing:
             changed = changed_since_every_entry(self.model.signature, self.entries, args, kwargs)
             names = call_args.argument_names(self.model.signature, args, kwargs)
@@ -194,13 +197,16 @@ class Traces:
         self.held.append(old)
         self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
 
-    def _eager_errors_first(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> contextlib.AbstractContextManager[None]:
-        """``wrapper.eager_errors_first`` for this model: a call eager rejects too leaves the plan
-        as it was (what it changed is no reason to make a dim dynamic)."""
-        undo = functools.partial(setattr, self, "plan", self.plan)
-        return eager_errors_first(self.model.name, self.model.target, args, kwargs, undo)
+    def uncovered(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[str, list[Mismatch]] | None:
+        """Why no trace covers a call kept while another was made (beside.py): the reason and
+        mismatches to trace it with; None when one covers it, or no more may be made."""
+        args, kwargs = call
+        with self._lock:
+            covered = (self._serve_existing(args, kwargs, among=a, serve=False) for a in (None, self.held))
+            if any(covered) or len(self.entries) >= self.config.max_traces:
+                return None
+            nearest = self._nearest(args, kwargs)
+            return nearest.words, nearest.mismatches
 
     def _trace(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, run: bool) -> Any:
         values = bind_arguments(self.model.func, self.model.bound_to, args, kwargs)
@@ -265,6 +271,7 @@ class Traces:
                 if self.config.dynamic_shapes == "backed_size_oblivious"
                 else self.config.dynamic_shapes
             )
+            dropped = functools.partial(setattr, self, "dropped_guards")
             hinted_small = mark_call(
                 self.plan, args, kwargs, values, choice, mode, self.mark_nested, oblivious
             )
@@ -275,7 +282,7 @@ class Traces:
                 args,
                 kwargs,
                 model.func.__qualname__,
-                recorder(self.model, args, kwargs, choice, oblivious, hinted_small, self._dropped),
+                recorder(self.model, args, kwargs, choice, oblivious, hinted_small, dropped),
                 self.plan.state,
                 size_oblivious=oblivious,
                 run=run,
@@ -398,9 +405,6 @@ class Traces:
         """The dims marked dynamic for a trace of this call (trace_plan.dims_for)."""
         return dims_for(self.plan, self.model.func, values, self.dynamic_dims, self.soft_dims)
 
-    def _dropped(self, dropped: tuple[tuple[str, int], ...]) -> None:
-        self.dropped_guards = dropped
-
     # -- routing --------------------------------------------------------------------------------
     def slow(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call the last entry's quick check did not pass: grad enabled, another entry's call,
@@ -417,7 +421,7 @@ class Traces:
         if served is not None:
             return served[0]
         if self.beside is not None and self.beside.busy():  # a trace in flight: it may cover this
-            return self.beside.eager(args, kwargs)
+            return self.beside.missed(args, kwargs)
         with self._lock:
             served = self._serve_existing(args, kwargs)  # another thread may have traced it
             if served is None and self.held:
@@ -426,7 +430,8 @@ class Traces:
                 return served[0]
             nearest, reason, mismatches = self._nearest(args, kwargs)
             if len(self.entries) >= self.config.max_traces:
-                raise self._refusal(nearest, reason, mismatches)
+                limit = self.config.max_traces
+                raise refusal(self.model.name, self.entries, limit, nearest, reason, mismatches)
             if nearest is not None and layout_of_written_input(nearest, mismatches):
                 # A model that writes to its input, called with it in another layout: a copy
                 # would lose the write, and a trace for that layout is not made (its compiled
@@ -480,11 +485,6 @@ class Traces:
     ) -> Nearest:
         """The entry this call differs least from, in words, and the assumptions it breaks."""
         return nearest(self.model.signature, self._ordered() if among is None else among, args, kwargs)
-
-    def _refusal(
-        self, nearest: TraceEntry | None, reason: str, mismatches: list[Mismatch]
-    ) -> call_check.InputMismatchError:
-        return refusal(self.model.name, self.entries, self.config.max_traces, nearest, reason, mismatches)
 
     def _say(self, message: str) -> None:
         if message not in self._said:

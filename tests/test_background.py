@@ -23,7 +23,7 @@ from tests.child import run_toy
 def _trace_on_the_first_call(monkeypatch):
     """These tests follow a trace's pieces from traced to compiled: the first call traces (eager
     first, where the first calls are served eagerly while the trace is made, is tests/test_eager_first.py)."""
-    monkeypatch.setattr(tessera.api, "eager_first", lambda config: False)
+    monkeypatch.setattr("tessera.api.eager_first", lambda config: False)
 
 
 class GatedCompiler:

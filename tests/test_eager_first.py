@@ -210,3 +210,43 @@ def test_is_compiling_answers_for_the_compiling_thread_only():
         leave.set()
         thread.join()
     assert seen == [True]
+
+
+class Flag(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: bool = True) -> torch.Tensor:
+        return x * 2 if scale else x + 1
+
+
+def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkeypatch, tmp_path):
+    from tessera import traces
+
+    gate = threading.Event()
+    original = traces.trace_once
+
+    def held(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(traces, "trace_once", held)
+    x = torch.randn(4, 3)
+    compiled = tessera.compile(Flag(), backend="eager", cache_dir=str(tmp_path))
+    with counters.expect(served_eagerly=3):
+        torch.testing.assert_close(compiled(x), x * 2)  # traced beside, held at the gate
+        torch.testing.assert_close(compiled(x, False), x + 1)  # missed: kept, served eagerly
+        torch.testing.assert_close(compiled(x * 3, False), x * 3 + 1)  # kept too
+    assert compiled.stage is Stage.EAGER
+    gate.set()
+    assert compiled.wait_ready(60)
+    assert [e.reason for e in compiled.traces][0] == "the first call"
+    assert len(compiled.traces) == 2, "the second kept call was covered by the trace of the first"
+    with counters.expect(served_eagerly=0):
+        torch.testing.assert_close(compiled(x, False), x + 1)
+        torch.testing.assert_close(compiled(x), x * 2)
+    # Both traces reached the cache: a new process's model loads them and traces nothing.
+    monkeypatch.setattr(traces, "trace_once", original)
+    torch._dynamo.reset()
+    warm = tessera.compile(Flag(), backend="eager", cache_dir=str(tmp_path))
+    with counters.expect(served_eagerly=0, graphs_traced=0):
+        torch.testing.assert_close(warm(x, False), x + 1)
+        torch.testing.assert_close(warm(x), x * 2)
+    assert [e.loaded for e in warm.traces] == [True, True]

@@ -32,9 +32,9 @@ from tessera._compat.bytecode import (
     module_for_bytecode as module_for_bytecode,
 )
 from tessera._compat.fx import (
+    isolate_compiling_flag as isolate_compiling_flag,
     isolate_fx_patches as isolate_fx_patches,
     isolate_fx_tracing as isolate_fx_tracing,
-    isolate_compiling_flag as isolate_compiling_flag,
     isolate_fx_tracing_flag as isolate_fx_tracing_flag,
 )
 from tessera._compat.guards import (

@@ -1,0 +1,210 @@
+"""Eager first: process start to first output, and every call of the first minute after a cold
+start, against eager in the same run; JSON out.
+
+Per model, a fresh process for eager and one for tessera on its defaults (Inductor, background
+compile, an empty cache and empty Inductor caches). Each times process start to first output, then
+serves a stream of calls (one every ``--gap`` seconds, sizes drawn from the model's list) for
+``--seconds``, recording each call's latency and what served it. Printed per model:
+
+- ``first_output_ratio``: tessera's process start to first output over eager's (the issue's bar:
+  at most 1.1);
+- ``worst_call_ratio``: tessera's slowest call of the stream (the first excluded) over eager's
+  median call at that size mix (bar: at most 2);
+- ``calls_over_2x``: how many of tessera's calls took more than twice eager's median;
+- ``steady_ratio``: tessera's median call after every compile is in place over eager's median;
+- ``seconds_to_traced`` / ``seconds_to_ready``: when the first trace served, when every size had
+  compiled;
+- ``max_abs_diff``: tessera's outputs for fixed inputs, after the stream, against eager's.
+
+``python -m benchmarks.first_minute [--models toy4,toy16,bert,vit] [--seconds 60]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import child_env, header
+
+START = time.perf_counter()  # as close to process start as Python lets a script be
+MODELS = ("toy4", "toy16", "bert", "vit")
+
+
+def _build(name: str) -> tuple[Any, Any]:
+    """The model, and ``inputs(size)`` giving its call's arguments for one size of the stream."""
+    import torch
+
+    torch.manual_seed(0)
+    if name.startswith("toy"):
+        from tessera.models import toy_llama
+
+        model = toy_llama.build(
+            num_layers=int(name[3:]), hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4
+        )
+        return model, lambda n: toy_llama.example_inputs(n)
+    import transformers
+
+    if name == "bert":
+        config = transformers.BertConfig(
+            vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256
+        )
+        model = transformers.BertModel(config).eval()
+
+        def bert_inputs(n: int) -> tuple[Any, ...]:
+            batch, length = divmod(n, 100)
+            generator = torch.Generator().manual_seed(n)
+            return (torch.randint(0, 1024, (batch, length), generator=generator),)
+
+        return model, bert_inputs
+    config = transformers.ViTConfig(
+        image_size=64, patch_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256,
+    )
+    model = transformers.ViTModel(config).eval()
+    return model, lambda n: (torch.randn(n, 3, 64, 64, generator=torch.Generator().manual_seed(n)),)
+
+
+SIZES = {  # the stream's sizes: tokens (toy), batch * 100 + length (bert), batch (vit)
+    "toy4": (16, 24, 32, 40),
+    "toy16": (16, 24, 32, 40),
+    "bert": (108, 116, 132, 208, 216),
+    "vit": (1, 2, 4),
+}
+
+
+def _first(output: Any) -> Any:
+    return output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+
+
+def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
+    import random
+
+    import torch
+
+    model, inputs = _build(name)
+    sizes = SIZES[name]
+    first_args = inputs(sizes[0])
+    if impl == "tessera":
+        import tessera
+
+        model = tessera.compile(model)
+    with torch.inference_mode():
+        _first(model(*first_args))
+    first_output = time.perf_counter() - START
+    rng = random.Random(0)
+    calls: list[dict[str, Any]] = []
+    stream_start = time.perf_counter()
+    traced_at = ready_at = None
+    with torch.inference_mode():
+        while time.perf_counter() - stream_start < seconds:
+            size = rng.choice(sizes)
+            args = inputs(size)
+            stage = getattr(getattr(model, "stage", None), "value", "eager")
+            start = time.perf_counter()
+            _first(model(*args))
+            took = time.perf_counter() - start
+            now = time.perf_counter() - stream_start
+            calls.append({"at": round(now, 4), "size": size, "seconds": took, "stage": stage})
+            if impl == "tessera":
+                if traced_at is None and stage == "ready":
+                    traced_at = now
+                if ready_at is None and model.ready:
+                    ready_at = now
+            time.sleep(gap)
+        steady = []
+        if impl == "tessera":
+            model.wait_ready()
+        for size in sizes * 5:
+            args = inputs(size)
+            start = time.perf_counter()
+            _first(model(*args))
+            steady.append(time.perf_counter() - start)
+        outputs = [_first(model(*inputs(size))).float().clone() for size in sizes]
+    return {
+        "first_output": first_output,
+        "calls": calls,
+        "steady_median": statistics.median(steady),
+        "seconds_to_traced": traced_at,
+        "seconds_to_ready": ready_at,
+        "outputs": [o.tolist() for o in outputs],
+    }
+
+
+def _run(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = child_env(
+            TESSERA_CACHE_DIR=os.path.join(cache, "tessera"),
+            TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+        )
+        command = [sys.executable, "-m", "benchmarks.first_minute", "--child", name, impl]
+        command += ["--seconds", str(seconds), "--gap", str(gap)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise RuntimeError(f"{name} {impl} failed:\n{done.stderr[-4000:]}")
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+
+def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    eager_median = statistics.median(c["seconds"] for c in eager["calls"])
+    stream = [c["seconds"] for c in ours["calls"]]
+    diffs = [
+        float((torch.tensor(a) - torch.tensor(b)).abs().max())
+        for a, b in zip(ours["outputs"], eager["outputs"], strict=True)
+    ]
+    by_stage: dict[str, int] = {}
+    for call in ours["calls"]:
+        by_stage[call["stage"]] = by_stage.get(call["stage"], 0) + 1
+    return {
+        "eager_first_output_s": round(eager["first_output"], 3),
+        "tessera_first_output_s": round(ours["first_output"], 3),
+        "first_output_ratio": round(ours["first_output"] / eager["first_output"], 3),
+        "eager_median_call_ms": round(eager_median * 1e3, 3),
+        "tessera_median_call_ms": round(statistics.median(stream) * 1e3, 3),
+        "worst_call_ratio": round(max(stream) / eager_median, 2),
+        "calls_over_2x": sum(s > 2 * eager_median for s in stream),
+        "calls": len(stream),
+        "calls_by_stage_at_start": by_stage,
+        "seconds_to_traced": ours["seconds_to_traced"],
+        "seconds_to_ready": ours["seconds_to_ready"],
+        "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),
+        "max_abs_diff": max(diffs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--gap", type=float, default=0.02, help="seconds between calls of the stream")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child, args.seconds, args.gap)))
+        return 0
+    result: dict[str, Any] = {**header("first_minute"), "seconds": args.seconds, "gap": args.gap}
+    for name in args.models.split(","):
+        eager = _run(name, "eager", args.seconds, args.gap)
+        ours = _run(name, "tessera", args.seconds, args.gap)
+        result[name] = _compare(eager, ours)
+        print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
