@@ -206,8 +206,7 @@ class CompiledModel:
         is compiled), at most ``timeout`` seconds; whether it is. A server gates its readiness on
         it; calls are served (by the general artifacts) meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        beside = self._traces.beside if self._traces is not None else None
-        if beside is not None and not beside.landed.wait(timeout):  # a trace made beside eager
+        if not self.wait_traced(timeout):
             return False
         for split_model in self._split_models():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -217,6 +216,12 @@ class CompiledModel:
             if not split_model.learning.idle.wait(left):  # a size learnt from traffic, compiling
                 return False
         return self.first_call_seconds is not None
+
+    def wait_traced(self, timeout: float | None = None) -> bool:
+        """Wait until no trace is being made beside eager (the calls served eagerly meanwhile are
+        then served by the traces that cover them), at most ``timeout`` seconds; whether so."""
+        beside = self._traces.beside if self._traces is not None else None
+        return beside is None or beside.landed.wait(timeout)
 
     def _split_models(self) -> list[SplitModel]:
         own = self._traces.split_models() if self._traces is not None else []

@@ -105,6 +105,7 @@ class Beside:
         self.failure: BaseException | None = None  # the trace that failed: eager from then on
         self.on_failure: Callable[[BaseException], None] | None = None
         self.eager_calls = 0
+        self.eager_span = (0.0, 0.0)  # wall clock: the first eager call's start, the last one's end
         self.made: list[BesideTrace] = []
         self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
         # uncovered(call): why no trace covers it, (reason, mismatches), or None (traces.py).
@@ -119,7 +120,11 @@ class Beside:
         """The call served by the model's own forward."""
         self.eager_calls += 1
         counters.bump("served_eagerly")
-        return self._forward(*args, **kwargs)
+        start = time.time()
+        try:
+            return self._forward(*args, **kwargs)
+        finally:
+            self.eager_span = (self.eager_span[0] or start, time.time())
 
     def missed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call no trace covers while one is in flight: served eagerly, and kept (a copy, as it

@@ -366,10 +366,19 @@ def model_report(
             )
             for e in traces.entries
         ),
-        timeline=timeline(traces.spans(), split_models),
+        timeline=timeline([*_served_eagerly(traces), *traces.spans()], split_models),
         sizes_served=sizes_served(split_models),
         learnt_sizes=tuple(s for b in split_models for s in b.learning.learnt_sizes),
     )
+
+
+def _served_eagerly(traces: Any) -> list[TraceSpan]:
+    """The span of the calls served eagerly while traces were made beside them (beside.py)."""
+    beside = getattr(traces, "beside", None)
+    if beside is None or not beside.eager_calls:
+        return []
+    start, end = beside.eager_span
+    return [TraceSpan(f"served eagerly ({beside.eager_calls} calls)", start, end - start)]
 
 
 def publish(

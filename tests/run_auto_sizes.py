@@ -60,6 +60,9 @@ def main() -> None:
             errors.append(e)
 
     serve(0)  # the first call alone: its report says cold or warm
+    # Served eagerly while its trace is made beside it (cold): the traffic after it is the
+    # traces' (what sizes are learnt from).
+    assert compiled.wait_traced(300), "the first trace was not made in time"
     first_kind = compiled.report.kind
     workers = [threading.Thread(target=serve, args=(t,)) for t in range(1, THREADS + 1)]
     for worker in workers:

@@ -56,12 +56,16 @@ def test_the_first_call_is_served_eagerly_and_the_state_is_written_once_per_call
     assert compiled.stage in (Stage.EAGER, Stage.READY)
     assert compiled.wait_ready(60)
     assert compiled.stage is Stage.READY and len(compiled.traces) == 1
-    for n in (3, 5, 17):  # served by the trace, sizes it was not made for included
+    for n in (3, 5, 17):  # sizes it was not made for included (``steps`` changes: traced again)
         x = torch.randn(n, 8)
         torch.testing.assert_close(compiled(x), expected(model, x))
+    assert compiled.wait_ready(60)
     # The trace did not run the forward a second time: four calls, four writes.
     assert int(model.calls) == 4 and model.steps == 4
     assert compiled.report is not None and compiled.report.kind == "cold"
+    # The report's picture shows the eager phase on the timeline, before the trace.
+    spans = compiled.report.as_dict()["timeline"]
+    assert spans[0]["what"].startswith("served eagerly") and spans[1]["what"] == "trace 1"
 
 
 def test_the_trace_sees_the_first_call_as_it_was_not_as_the_caller_changed_it_after():

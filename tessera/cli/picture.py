@@ -20,6 +20,7 @@ ROW = 22
 
 # One colour per kind of artifact (what it was compiled for), in both charts.
 COLOURS = {
+    "eager": "#e45756",
     "trace": "#8c8c8c",
     "as traced": "#c7c7c7",
     "general": "#4c78a8",
@@ -28,6 +29,7 @@ COLOURS = {
     "learnt size": "#b279a2",
 }
 KIND_NAMES = {
+    "eager": "served eagerly (the model's forward, while a trace was made)",
     "trace": "trace (Dynamo)",
     "as traced": "as traced (eager kernels)",
     "general": "general (symbolic size)",
@@ -39,6 +41,8 @@ KIND_NAMES = {
 
 def kind_of(label: str, learnt: Sequence[int] = ()) -> str:
     """The kind of an artifact label (``general``, ``general (as traced)``, ``size 16``, ...)."""
+    if label.startswith("served eagerly"):
+        return "eager"
     if label.startswith("trace"):
         return "trace"
     if label.endswith("(as traced)"):
