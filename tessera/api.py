@@ -371,6 +371,7 @@ class CompiledModel:
             traces.beside = Beside(self.name, self._target, functools.partial(traces.trace, run=False))
             traces.beside.on_failure = self._trace_beside_failed
             traces.beside.uncovered = traces.uncovered
+            traces.beside.at_exit = self.wait_ready
         other = traces.load_saved()
         if other is not None:  # recorded by an earlier process: graph breaks
             log.info("%s: %s (recorded by an earlier process)", self.name, other)

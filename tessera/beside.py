@@ -107,6 +107,7 @@ class Beside:
         self.eager_calls = 0
         self.eager_span = (0.0, 0.0)  # wall clock: the first eager call's start, the last one's end
         self.made: list[BesideTrace] = []
+        self.at_exit: Callable[[], Any] | None = None  # waits for the compiles the traces started
         self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
         # uncovered(call): why no trace covers it, (reason, mismatches), or None (traces.py).
         self.uncovered: Callable[[Call], tuple[str, list[Mismatch]] | None] | None = None
@@ -173,6 +174,12 @@ class Beside:
         while job is not None:
             self._trace_one(*job)
             job = self._next()
+        if self.at_exit is not None and not threading.main_thread().is_alive():
+            # The interpreter is exiting (the main thread ended while this trace was made): the
+            # exit joins this thread before thread pools refuse work (start_thread), but not the
+            # compile thread the trace started, so this one waits for it: the compiles use those
+            # pools, and the next process finds every artifact.
+            self.at_exit()
 
     def _trace_one(self, seen: Call, reason: str, mismatches: list[Mismatch], state: CallerState) -> None:
         started, start = time.time(), time.perf_counter()
