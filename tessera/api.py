@@ -25,7 +25,7 @@ import torch
 from tessera import call_check, counters, hooks, validation
 from tessera.beside import Beside, eager_first
 from tessera.compilers import check_backend, stock_backend
-from tessera.config import CompileConfig
+from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
 from tessera.guarded import record_guarded, start_guarded
@@ -60,7 +60,7 @@ def compile(
     ``on_compiled(report)`` is called once, when the first call has compiled or loaded everything.
     Every argument is checked here: a bad one is a ``ConfigError`` now, not at the first call.
     """
-    config = validation.checked_config(config, overrides, prefix, dynamic_dims, on_compiled)
+    config = checked_config(config, overrides, prefix, dynamic_dims, on_compiled)
     check_backend(config)  # a custom compiler that does not import fails here, not at the first call
     validation.warn_if_untested_torch()
     compiled = CompiledModel(model, config, dynamic_dims, prefix, on_compiled)

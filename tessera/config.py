@@ -275,3 +275,26 @@ def _pass_uuid(p: Any) -> str:
     if not callable(uuid):
         raise ConfigError(f"pass {p!r} has no uuid() method; every pass must name its version")
     return str(uuid())
+
+
+def checked_config(
+    config: CompileConfig | None, overrides: dict[str, Any], prefix: Any, dynamic_dims: Any, on_compiled: Any
+) -> CompileConfig:
+    """``tessera.compile``'s arguments checked, and the config they make: a bad one is a
+    ConfigError now, not at the first call."""
+    if on_compiled is not None and not callable(on_compiled):
+        raise ConfigError(f"on_compiled={on_compiled!r} must be a callable taking the compile report")
+    if config is not None and not isinstance(config, CompileConfig):
+        raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
+    config = (config or CompileConfig()).replace(**overrides)
+    if prefix is not None:
+        v.check_prefix(prefix)
+    v.check_dynamic_dims(dynamic_dims)
+    if config.passes and config.backend == "eager":
+        raise ConfigError(
+            "passes run on Inductor's post-grad graph: use backend='inductor' (the eager compiler "
+            "compiles nothing), or a custom compiler that applies config.passes itself"
+        )
+    if config.backend == "inductor" or config.mode == "stock":
+        v.check_inductor_keys(config.inductor_config)
+    return config

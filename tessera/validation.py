@@ -336,28 +336,3 @@ def check_dynamic_dim_names(signature: inspect.Signature, dynamic_dims: Mapping[
     unknown = sorted(set(dynamic_dims) - set(params))
     if unknown:
         raise ConfigError(f"dynamic_dims names {unknown}, but the forward takes {list(params)}")
-
-
-def checked_config(
-    config: Any, overrides: dict[str, Any], prefix: Any, dynamic_dims: Any, on_compiled: Any
-) -> Any:
-    """``tessera.compile``'s arguments checked, and the config they make: a bad one is a
-    ConfigError now, not at the first call."""
-    from tessera.config import CompileConfig
-
-    if on_compiled is not None and not callable(on_compiled):
-        raise ConfigError(f"on_compiled={on_compiled!r} must be a callable taking the compile report")
-    if config is not None and not isinstance(config, CompileConfig):
-        raise ConfigError(f"config={config!r} must be a tessera.CompileConfig (or None)")
-    config = (config or CompileConfig()).replace(**overrides)
-    if prefix is not None:
-        check_prefix(prefix)
-    check_dynamic_dims(dynamic_dims)
-    if config.passes and config.backend == "eager":
-        raise ConfigError(
-            "passes run on Inductor's post-grad graph: use backend='inductor' (the eager compiler "
-            "compiles nothing), or a custom compiler that applies config.passes itself"
-        )
-    if config.backend == "inductor" or config.mode == "stock":
-        check_inductor_keys(config.inductor_config)
-    return config

@@ -154,10 +154,13 @@ def isolate_fx_tracing() -> None:
     isolate_compiling_flag()
 
 
+# Checked on torch 2.13: tessera's own per-thread depth of Dynamo's ``_compile_session_context``.
 _COMPILING_HERE = threading.local()  # per thread: how deep in Dynamo's compile session it is
 
 
 def _compiling_in_this_thread() -> bool:
+    """Whether this thread is in a Dynamo compile session: what ``isolate_compiling_flag`` installs
+    in the private ``torch.compiler``. Checked on torch 2.13."""
     return getattr(_COMPILING_HERE, "depth", 0) > 0
 
 
