@@ -8,8 +8,10 @@ background threads are *paced*: each runs under a trace function that, while a c
 served, waits until it ends (the GIL is then the served call's alone), and the switch interval is
 shortened while one runs, so a call that starts gets the GIL at once. Under a stream with no gap
 between calls the background would never run; it then takes a slice of a third of a served call's
-typical time after waiting two of them, so a call is slower by a fraction of itself, and the
-background still finishes.
+typical time after waiting six of them in all, so a call is slower by a fraction of itself, and
+the background still finishes. A call that lasts more than twice the typical one may be waiting
+for what the background holds (a lock, the trace it needs): the background stops waiting until
+calls pause, so no call waits long on a background that waits on it.
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
@@ -29,6 +31,7 @@ from typing import Any
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
 _WAIT = 2.0  # typical calls the background waits before it takes a slice
 _MIN_WAIT = 0.002
+_STARVED = 6.0  # typical calls waited, in all, before the background takes a slice
 _SWITCH = 0.0002  # seconds: the switch interval while a thread is paced
 
 
@@ -45,13 +48,16 @@ class Pacer:
         # background's slice and wait under a stream with no gaps scale with it.
         self.typical = 0.005
         self._interval: float | None = None  # the switch interval before, while a thread is paced
+        self.busy_periods = 0  # how many times calls started being served after none was
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
         """Count a call being served: paced background threads wait while one is."""
         with self._lock:
             self._serving += 1
-            self._quiet.clear()
+            if self._serving == 1:
+                self.busy_periods += 1
+                self._quiet.clear()
         start = time.perf_counter()
         try:
             yield
@@ -95,14 +101,23 @@ class Pacer:
         doc. Python's trace function is per thread: the calling thread only is paced.
         ``counted``: the starting thread called ``expect`` for it."""
         previous = sys.gettrace()
-        until = [0.0]  # the end of the slice the background took, while a call is served
+        # The end of the slice taken while calls are served; the busy period no more waited in;
+        # the seconds waited since the last slice.
+        until, unpaced, waited = [0.0], [-1], [0.0]
         is_quiet, wait, now = self._quiet.is_set, self._quiet.wait, time.perf_counter
 
         def give_way(frame: Any, event: str, arg: Any) -> None:
-            if is_quiet() or now() < until[0]:
+            if is_quiet() or now() < until[0] or unpaced[0] == self.busy_periods:
                 return None
-            if not wait(max(_MIN_WAIT, _WAIT * self.typical)):  # a call without end: take a slice
-                until[0] = now() + _SLICE * self.typical
+            start = now()
+            if not wait(max(_MIN_WAIT, _WAIT * self.typical)):
+                # A call far longer than the typical one: it may wait for what this thread holds
+                # (a lock, a trace it needs), so this thread stops waiting until calls pause.
+                unpaced[0] = self.busy_periods
+                return None
+            waited[0] += now() - start
+            if waited[0] > _STARVED * self.typical:  # calls without a pause: a slice, then on
+                until[0], waited[0] = now() + _SLICE * self.typical, 0.0
             return None
 
         if not counted:

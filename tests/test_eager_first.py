@@ -162,33 +162,58 @@ def test_background_compile_false_traces_on_the_first_call():
     assert compiled.stage is Stage.READY and len(compiled.traces) == 1
 
 
-def test_a_paced_thread_waits_while_a_call_is_served():
-    ticks = [0]
-    stop = threading.Event()
+def _spin(ticks: list[int], stop: threading.Event, hold: threading.Lock | None = None) -> None:
+    def step() -> None:
+        ticks[0] += 1
 
-    def work() -> None:
-        def step() -> None:
-            ticks[0] += 1
+    with PACER.paced():
+        if hold is not None:
+            with hold:  # Python work under a lock a served call will wait for
+                while ticks[0] < 1_500_000:
+                    step()
+        while not stop.is_set():
+            step()
 
-        with PACER.paced():
-            while not stop.is_set():
-                step()
 
-    thread = threading.Thread(target=work)
+def test_a_paced_thread_waits_while_calls_are_served():
+    ticks, stop = [0], threading.Event()
+    thread = threading.Thread(target=_spin, args=(ticks, stop))
     thread.start()
     try:
         start = ticks[0]
         time.sleep(0.2)
         quiet = ticks[0] - start
-        with PACER.serving():
-            start = ticks[0]
-            time.sleep(0.2)  # a call that takes 0.2 s: the paced thread takes slices only
-            during = ticks[0] - start
+        for _ in range(5):  # the typical call, learnt
+            with PACER.serving():
+                time.sleep(0.005)
+        start = ticks[0]
+        for _ in range(40):  # 0.2 s of 5 ms calls, back to back: the paced thread takes slices only
+            with PACER.serving():
+                time.sleep(0.005)
+        during = ticks[0] - start
     finally:
         stop.set()
         thread.join()
     assert quiet > 0 and during < 0.5 * quiet, (quiet, during)
     assert PACER.threads == 0
+
+
+def test_a_call_that_waits_for_what_a_paced_thread_holds_does_not_wait_on_its_pacing():
+    ticks, stop, hold = [0], threading.Event(), threading.Lock()
+    thread = threading.Thread(target=_spin, args=(ticks, stop, hold))
+    thread.start()
+    try:
+        while not hold.locked() and ticks[0] == 0:
+            time.sleep(0.001)
+        start = time.perf_counter()
+        with PACER.serving(), hold:  # served, and waiting for the paced thread's lock
+            waited = time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
+    # The paced thread waits two typical calls, then runs on: the lock comes at its own speed
+    # (1,500,000 steps, about half a second here), not at the speed of its slices.
+    assert ticks[0] >= 1_500_000 and waited < 2.5, waited
 
 
 def test_is_compiling_answers_for_the_compiling_thread_only():
