@@ -292,7 +292,7 @@ class CompiledModel:
     # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            if self._life.stage is Stage.READY:  # another thread compiled while we waited
+            if self._life.stage in (Stage.READY, Stage.EAGER):  # another thread made the first call
                 return self._life.call(*args, **kwargs)
             module = self._module
             # The trace sees what the pre-hooks make of the call (stock and none: torch runs them).

@@ -279,3 +279,28 @@ def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkey
         torch.testing.assert_close(warm(x, False), x + 1)
         torch.testing.assert_close(warm(x), x * 2)
     assert [e.loaded for e in warm.traces] == [True, True]
+
+
+def test_threads_calling_a_cold_model_at_once_get_eager_outputs_and_one_trace():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def serve(seed: int) -> None:
+        try:
+            start.wait(30)
+            for n in range(2, 30):
+                x = torch.randn(n, 8, generator=torch.Generator().manual_seed(seed * 100 + n))
+                torch.testing.assert_close(compiled(x), model(x))
+        except BaseException as e:  # raised by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert compiled.wait_ready(60)
+    assert len(compiled.traces) == 1 and counters.snapshot()["graphs_traced"] == 1
