@@ -158,19 +158,31 @@ class Beside:
             return (self.missed(args, kwargs),)
         seen = _copied(self.name, args, kwargs)  # what the call saw, before eager changes it
         if seen is None:  # an argument that cannot be copied: traced on this thread
-            self._next()
+            self._start(None)
             return None
         try:
             output = self.eager(args, kwargs)
         except BaseException:
-            self._next()  # eager's error is the caller's: no trace of a call eager rejects
+            self._start(None)  # eager's error is the caller's: no trace of a call eager rejects
             raise
-        from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
-
-        start_thread(f"tessera-trace-{self.name}", self._run, (seen, reason, mismatches, state))
+        self._start((seen, reason, mismatches, state))
         return (output,)
 
+    def _start(self, job: Job | None) -> None:
+        """Trace ``job`` (None: only the calls kept meanwhile, if any) in a thread of its own."""
+        if job is None:
+            with self._lock:
+                if not self._missed:
+                    self._pending = False
+                    self.landed.set()
+                    return
+        from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
+
+        start_thread(f"tessera-trace-{self.name}", self._run, job)
+
     def _run(self, job: Job | None) -> None:
+        if job is None:
+            job = self._next()
         while job is not None:
             self._trace_one(*job)
             job = self._next()

@@ -304,3 +304,14 @@ def test_threads_calling_a_cold_model_at_once_get_eager_outputs_and_one_trace():
     assert not errors, errors[0]
     assert compiled.wait_ready(60)
     assert len(compiled.traces) == 1 and counters.snapshot()["graphs_traced"] == 1
+
+
+def test_a_first_call_eager_rejects_raises_eagers_error_and_leaves_no_trace_behind():
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        compiled(torch.randn(3, 5))  # eager's own error, the caller's
+    assert compiled.wait_traced(30) and compiled.traces == ()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), expected(model, x))
+    assert compiled.wait_ready(60) and len(compiled.traces) == 1
