@@ -56,7 +56,10 @@ def test_a_background_compile_beside_stock_torch_compile_and_other_tessera_model
     assert a.wait_ready(600) and c.wait_ready(600) and d.wait_ready(600)
     for model in (a, c):
         assert model.report is not None and model.report.background == "done", model.report.background
-    with torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad():
+        # Eager first: D's trace, made beside its first calls, found the break; the guarded path
+        # (and its warning) may come at one of these calls.
+        warnings.simplefilter("ignore", tessera.TesseraWarning)
         for n in (16, 32, 7, 24, 40):  # every size in place: still eager's numbers
             x = torch.randn(n, 16)
             for compiled, eager in zip((a, b, c, d), models, strict=True):
