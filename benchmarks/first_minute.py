@@ -49,12 +49,16 @@ def _build(name: str) -> tuple[Any, Any]:
         model = toy_llama.build(
             num_layers=int(name[3:]), hidden_size=256, intermediate_size=512, num_heads=8, num_kv_heads=4
         )
-        return model, lambda n: toy_llama.example_inputs(n)
+        return model, toy_llama.example_inputs
     import transformers
 
     if name == "bert":
         config = transformers.BertConfig(
-            vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256
+            vocab_size=1024,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
         )
         model = transformers.BertModel(config).eval()
 
@@ -65,7 +69,11 @@ def _build(name: str) -> tuple[Any, Any]:
 
         return model, bert_inputs
     config = transformers.ViTConfig(
-        image_size=64, patch_size=16, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        image_size=64,
+        patch_size=16,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
         intermediate_size=256,
     )
     model = transformers.ViTModel(config).eval()
@@ -146,7 +154,7 @@ def _run(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
         )
         command = [sys.executable, "-m", "benchmarks.first_minute", "--child", name, impl]
         command += ["--seconds", str(seconds), "--gap", str(gap)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
         if done.returncode:
             raise RuntimeError(f"{name} {impl} failed:\n{done.stderr[-4000:]}")
         result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -33,8 +33,12 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
 
     cold, warm = run(), run()  # each compares every output with eager's, strides too
     for case in cases:
-        assert cold[case]["counters"]["graphs_traced"] >= 1, case
+        # Cold: its calls traced, or served eagerly while their traces were made beside them (the
+        # counters are read before the process exits, which waits for those traces).
+        made = cold[case]["counters"]
+        assert made.get("graphs_traced", 0) + made.get("served_eagerly", 0) >= 1, case
         assert warm[case]["counters"].get("graphs_traced", 0) == 0, (case, warm[case])
+        assert warm[case]["counters"].get("served_eagerly", 0) == 0, (case, warm[case])
         assert warm[case]["counters"].get("inductor_compiles", 0) == 0, (case, warm[case])
         assert warm[case]["loaded"] == warm[case]["traces"] >= 1, (case, warm[case])
         assert cold[case]["warnings"] == warm[case]["warnings"] == [], case  # no CacheWarning

@@ -5,9 +5,9 @@ calls served (pacing.py)."""
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 import threading
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -266,7 +266,7 @@ def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkey
     assert compiled.stage is Stage.EAGER
     gate.set()
     assert compiled.wait_ready(60)
-    assert [e.reason for e in compiled.traces][0] == "the first call"
+    assert compiled.traces[0].reason == "the first call"
     assert len(compiled.traces) == 2, "the second kept call was covered by the trace of the first"
     with counters.expect(served_eagerly=0):
         torch.testing.assert_close(compiled(x, False), x + 1)
