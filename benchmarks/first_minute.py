@@ -43,6 +43,7 @@ def _build(name: str) -> tuple[Any, Any]:
     import torch
 
     torch.manual_seed(0)
+    model: Any
     if name.startswith("toy"):
         from tessera.models import toy_llama
 
@@ -52,15 +53,11 @@ def _build(name: str) -> tuple[Any, Any]:
         return model, toy_llama.example_inputs
     import transformers
 
+    small: dict[str, Any] = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    small["intermediate_size"] = 256
     if name == "bert":
-        config = transformers.BertConfig(
-            vocab_size=1024,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=256,
-        )
-        model = transformers.BertModel(config).eval()
+        model = transformers.BertModel(transformers.BertConfig(vocab_size=1024, **small))
+        model.eval()
 
         def bert_inputs(n: int) -> tuple[Any, ...]:
             batch, length = divmod(n, 100)
@@ -68,15 +65,8 @@ def _build(name: str) -> tuple[Any, Any]:
             return (torch.randint(0, 1024, (batch, length), generator=generator),)
 
         return model, bert_inputs
-    config = transformers.ViTConfig(
-        image_size=64,
-        patch_size=16,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=256,
-    )
-    model = transformers.ViTModel(config).eval()
+    model = transformers.ViTModel(transformers.ViTConfig(image_size=64, patch_size=16, **small))
+    model.eval()
     return model, lambda n: (torch.randn(n, 3, 64, 64, generator=torch.Generator().manual_seed(n)),)
 
 
@@ -199,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child, args.seconds, args.gap)))
+        name, impl = args.child
+        print(json.dumps(child(name, impl, args.seconds, args.gap)))
         return 0
     result: dict[str, Any] = {**header("first_minute"), "seconds": args.seconds, "gap": args.gap}
     for name in args.models.split(","):
