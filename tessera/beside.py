@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 Tracer = Callable[[tuple[Any, ...], dict[str, Any], str, list[Mismatch]], Any]
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # a call's arguments, as copied
 Job = tuple[Call, str, list[Mismatch], "CallerState"]  # a call to trace, why, in what state
-MISSED = 4  # calls kept while a trace is in flight, at most
+MISSED = 32  # calls kept while a trace is in flight, at most
+MISSED_BYTES = 64 * 2**20  # and the tensor bytes their copies may hold, in all
 
 
 def eager_first(config: Any) -> bool:
@@ -109,6 +110,7 @@ class Beside:
         self.made: list[BesideTrace] = []
         self.at_exit: Callable[[], Any] | None = None  # waits for the compiles the traces started
         self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
+        self._kept = 0  # the tensor bytes of their copies
         # uncovered(call): why no trace covers it, (reason, mismatches), or None (traces.py).
         self.uncovered: Callable[[Call], tuple[str, list[Mismatch]] | None] | None = None
 
@@ -132,13 +134,15 @@ class Beside:
         was) among the first few such calls, each traced after the one in flight if no trace made
         by then covers it, as it would have been traced had it come alone (a process that stops
         meanwhile still leaves every trace its calls needed in the cache)."""
-        if self.failure is None and len(self._missed) < MISSED:
+        size = tensor_bytes((args, kwargs))
+        if self.failure is None and len(self._missed) < MISSED and self._kept + size <= MISSED_BYTES:
             state = CallerState.current()
             seen = _copied(self.name, args, kwargs) if state is not None else None
             if seen is not None and state is not None:
                 with self._lock:
                     if self._pending and len(self._missed) < MISSED:
                         self._missed.append((seen, state))
+                        self._kept += size
         return self.eager(args, kwargs)
 
     def serve(
@@ -215,6 +219,7 @@ class Beside:
             with self._lock:
                 if not self._missed or self.failure is not None:
                     self._missed.clear()
+                    self._kept = 0
                     self._pending = False
                     self.landed.set()
                     return None
@@ -222,6 +227,22 @@ class Beside:
             why = self.uncovered(seen) if self.uncovered is not None else None
             if why is not None:
                 return (seen, why[0], why[1], state)
+
+
+def tensor_bytes(obj: Any, depth: int = 0) -> int:
+    """The bytes of the tensors ``obj`` holds: in containers and plain objects' attributes (a Hugging
+    Face cache's layers), a few levels deep; a module's parameters are the model's, not the call's."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if depth > 5 or isinstance(obj, (torch.nn.Module, str, bytes, int, float, bool, type(None))):
+        return 0
+    if isinstance(obj, dict):
+        items: Any = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = obj
+    else:
+        items = getattr(obj, "__dict__", {}).values()
+    return sum(tensor_bytes(item, depth + 1) for item in items)
 
 
 def _copied(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:

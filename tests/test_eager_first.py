@@ -315,3 +315,14 @@ def test_a_first_call_eager_rejects_raises_eagers_error_and_leaves_no_trace_behi
     x = torch.randn(3, 8)
     torch.testing.assert_close(compiled(x), expected(model, x))
     assert compiled.wait_ready(60) and len(compiled.traces) == 1
+
+
+def test_the_bytes_a_kept_call_would_copy_are_counted_through_containers_and_objects():
+    from tessera.beside import tensor_bytes
+
+    class Cache:  # as a Hugging Face cache holds its layers
+        def __init__(self) -> None:
+            self.layers = [{"keys": torch.zeros(4, 8), "values": torch.zeros(4, 8)}]
+
+    assert tensor_bytes(((torch.zeros(10, dtype=torch.float16),), {"cache": Cache()})) == 20 + 2 * 128
+    assert tensor_bytes(torch.nn.Linear(100, 100)) == 0  # the model's weights are not the call's
