@@ -29,6 +29,12 @@ def env_off(name: str) -> bool:
     return value != "" and not env_bool(name)
 
 
+def env_on(name: str) -> bool:
+    """Whether ``TESSERA_<name>`` turns a default-off switch on (unset: off)."""
+    value = os.environ.get(f"TESSERA_{name}", "").strip()
+    return value != "" and env_bool(name)
+
+
 def env_bool(name: str) -> bool:
     value = os.environ.get(f"TESSERA_{name}", "").strip().lower()
     if value in TRUE_WORDS:

@@ -213,9 +213,8 @@ def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_war
     env = {"TESSERA_BACKGROUND_COMPILE": "1"}
     cold = run_toy(cache, tmp_path / "cold.pt", "--sizes", "5", "--compile-sizes", "8", **env)
     warm = run_toy(cache, tmp_path / "warm.pt", "--sizes", "5,8", "--compile-sizes", "8", **env)
-    # The cold child's counters are read after its calls, while it may still be tracing beside
-    # the eager output it gave (eager first), and compiling.
-    assert cold["warm_start"] is not True and cold["counters"]["served_eagerly"] == 1
+    # The cold child's counters are read after its calls, while it may still be compiling.
+    assert cold["warm_start"] is False and cold["counters"]["graphs_traced"] == 1
     assert warm["warm_start"] is True and warm["counters"]["inductor_compiles"] == 0, warm["counters"]
     counts = warm["counters"]
     assert counts.get("graphs_traced", 0) == 0

@@ -21,6 +21,7 @@ from tessera.pacing import PACER
 @pytest.fixture(autouse=True)
 def _background_on(monkeypatch):
     monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    monkeypatch.setenv("TESSERA_EAGER_FIRST", "1")
 
 
 class Counting(torch.nn.Module):
