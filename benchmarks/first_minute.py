@@ -1,8 +1,9 @@
 """Eager first: process start to first output, and every call of the first minute after a cold
 start, against eager in the same run; JSON out.
 
-Per model, a fresh process for eager and one for tessera on its defaults (Inductor, background
-compile, an empty cache and empty Inductor caches). Each times process start to first output, then
+Per model, a fresh process for eager and one for tessera with eager first on (otherwise its
+defaults: Inductor, background compile, an empty cache and empty Inductor caches); with
+``--trace-first``, one more for tessera's defaults (the first call traces, then answers). Each times process start to first output, then
 serves a stream of calls (one every ``--gap`` seconds, sizes drawn from the model's list) for
 ``--seconds``, recording each call's latency and what served it. Printed per model:
 
@@ -90,10 +91,10 @@ def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
     model, inputs = _build(name)
     sizes = SIZES[name]
     first_args = inputs(sizes[0])
-    if impl == "tessera":
+    if impl.startswith("tessera"):
         import tessera
 
-        model = tessera.compile(model)
+        model = tessera.compile(model, eager_first=impl == "tessera")
     with torch.inference_mode():
         _first(model(*first_args))
     first_output = time.perf_counter() - START
@@ -111,14 +112,14 @@ def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
             took = time.perf_counter() - start
             now = time.perf_counter() - stream_start
             calls.append({"at": round(now, 4), "size": size, "seconds": took, "stage": stage})
-            if impl == "tessera":
+            if impl != "eager":
                 if traced_at is None and stage == "ready":
                     traced_at = now
                 if ready_at is None and model.ready:
                     ready_at = now
             time.sleep(gap)
         steady = []
-        if impl == "tessera":
+        if impl != "eager":
             model.wait_ready()
         for size in sizes * 5:
             args = inputs(size)
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--gap", type=float, default=0.02, help="seconds between calls of the stream")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--trace-first", action="store_true", help="also tessera without eager first (the default)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -197,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         eager = _run(name, "eager", args.seconds, args.gap)
         ours = _run(name, "tessera", args.seconds, args.gap)
         result[name] = _compare(eager, ours)
+        if args.trace_first:
+            traced = _run(name, "tessera-trace-first", args.seconds, args.gap)
+            result[name]["trace_first"] = _compare(eager, traced)
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     text = json.dumps(result, indent=1)
     print(text)
