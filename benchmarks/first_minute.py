@@ -3,13 +3,14 @@ start, against eager in the same run; JSON out.
 
 Per model, a fresh process for eager and one for tessera with eager first on (otherwise its
 defaults: Inductor, background compile, an empty cache and empty Inductor caches); with
-``--trace-first``, one more for tessera's defaults (the first call traces, then answers). Each times process start to first output, then
-serves a stream of calls (one every ``--gap`` seconds, sizes drawn from the model's list) for
-``--seconds``, recording each call's latency and what served it. Printed per model:
+``--trace-first``, one more for tessera's defaults (the first call traces, then answers). Each
+times process start to first output, then serves a stream of calls (one every ``--gap`` seconds,
+sizes drawn from the model's list) for ``--seconds``, recording each call's latency and what
+served it. Printed per model:
 
 - ``first_output_ratio``: tessera's process start to first output over eager's (the issue's bar:
   at most 1.1);
-- ``worst_call_ratio``: tessera's slowest call of the stream (the first excluded) over eager's
+- ``worst_call_ratio``: tessera's slowest call of the stream over eager's
   median call at that size mix (bar: at most 2);
 - ``calls_over_2x``: how many of tessera's calls took more than twice eager's median;
 - ``steady_ratio``: tessera's median call after every compile is in place over eager's median;
