@@ -24,6 +24,7 @@ served it. Printed per model:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -92,6 +93,10 @@ def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
     model, inputs = _build(name)
     sizes = SIZES[name]
     first_args = inputs(sizes[0])
+    # The heap ``import torch`` leaves is near a full collection (~0.1 s): it would fall on whichever
+    # process allocates a few thousand objects first (benchmarks/startup.py). Every process pays
+    # it here, before the measured part.
+    gc.collect()
     if impl.startswith("tessera"):
         import tessera
 

@@ -91,7 +91,7 @@ class Pacer:
             self._interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._interval, _SWITCH))
         elif self.threads == 0 and self._interval is not None:
-            if sys.getswitchinterval() == min(self._interval, _SWITCH):  # not changed since
+            if abs(sys.getswitchinterval() - min(self._interval, _SWITCH)) < 1e-6:  # not changed since
                 sys.setswitchinterval(self._interval)
             self._interval = None
 

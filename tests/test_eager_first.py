@@ -327,3 +327,12 @@ def test_the_bytes_a_kept_call_would_copy_are_counted_through_containers_and_obj
 
     assert tensor_bytes(((torch.zeros(10, dtype=torch.float16),), {"cache": Cache()})) == 20 + 2 * 128
     assert tensor_bytes(torch.nn.Linear(100, 100)) == 0  # the model's weights are not the call's
+
+
+def test_the_switch_interval_is_put_back_when_no_thread_is_paced():
+    import sys
+
+    before = sys.getswitchinterval()
+    with PACER.paced():
+        assert sys.getswitchinterval() < before
+    assert sys.getswitchinterval() == before and PACER.threads == 0
