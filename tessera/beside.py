@@ -83,17 +83,6 @@ class CallerState:
             yield
 
 
-@dataclasses.dataclass(frozen=True)
-class BesideTrace:
-    """One trace made beside eager: when it started (wall clock), how long it took, why it was
-    made, and how it ended (None: it serves)."""
-
-    started: float
-    seconds: float
-    reason: str
-    failure: str | None
-
-
 class Beside:
     """Eager serving and the one trace in flight beside it, for one model."""
 
@@ -109,7 +98,6 @@ class Beside:
         self.on_failure: Callable[[BaseException], None] | None = None
         self.eager_calls = 0
         self.eager_span = (0.0, 0.0)  # wall clock: the first eager call's start, the last one's end
-        self.made: list[BesideTrace] = []
         self.at_exit: Callable[[], Any] | None = None  # waits for the compiles the traces started
         self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
         self._kept = 0  # the tensor bytes of their copies
@@ -136,8 +124,9 @@ class Beside:
         was) among the first few such calls, each traced after the one in flight if no trace made
         by then covers it, as it would have been traced had it come alone (a process that stops
         meanwhile still leaves every trace its calls needed in the cache)."""
-        size = tensor_bytes((args, kwargs))
-        if self.failure is None and len(self._missed) < MISSED and self._kept + size <= MISSED_BYTES:
+        room = self.failure is None and len(self._missed) < MISSED
+        size = tensor_bytes((args, kwargs)) if room else 0
+        if room and self._kept + size <= MISSED_BYTES:
             state = CallerState.current()
             seen = _copied(self.name, args, kwargs) if state is not None else None
             if seen is not None and state is not None:
@@ -192,7 +181,7 @@ class Beside:
         while job is not None:
             self._trace_one(*job)
             job = self._next()
-        if self.at_exit is not None and not threading.main_thread().is_alive():
+        if self.at_exit is not None and _compat.interpreter_exiting():
             # The interpreter is exiting (the main thread ended while this trace was made): the
             # exit joins this thread before thread pools refuse work (start_thread), but not the
             # compile thread the trace started, so this one waits for it: the compiles use those
@@ -200,19 +189,14 @@ class Beside:
             self.at_exit()
 
     def _trace_one(self, seen: Call, reason: str, mismatches: list[Mismatch], state: CallerState) -> None:
-        started, start = time.time(), time.perf_counter()
-        failure: str | None = None
         try:
             with state.applied():
                 self._trace(seen[0], seen[1], reason, mismatches)
         except Exception as e:
-            failure = first_line(e)
             self.failure = e
-            log.debug("%s: the trace beside eager failed", self.name, exc_info=True)
+            log.debug("%s: the trace beside eager failed (%s)", self.name, first_line(e), exc_info=True)
             if self.on_failure is not None:
                 self.on_failure(e)
-        finally:
-            self.made.append(BesideTrace(started, time.perf_counter() - start, reason, failure))
 
     def _next(self) -> Job | None:
         """The next call kept while a trace was in flight that no trace covers now; None (and no
