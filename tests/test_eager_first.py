@@ -336,3 +336,20 @@ def test_the_switch_interval_is_put_back_when_no_thread_is_paced():
     with PACER.paced():
         assert sys.getswitchinterval() < before
     assert sys.getswitchinterval() == before and PACER.threads == 0
+
+
+@pytest.mark.inductor
+def test_inductor_eager_first_in_two_fresh_processes_the_second_traces_and_compiles_nothing(tmp_path):
+    from tests.child import run_toy
+
+    cache = tmp_path / "child-cache"
+    env = {"TESSERA_BACKGROUND_COMPILE": "1", "TESSERA_EAGER_FIRST": "1"}
+    # The cold process answers eagerly and exits at once: its exit waits for the trace made beside
+    # eager and its compiles, so the cache gets everything.
+    cold = run_toy(cache, tmp_path / "cold.pt", "--sizes", "5,16", **env)
+    assert cold["counters"]["served_eagerly"] >= 1 and cold["warm_start"] is not True
+    warm = run_toy(cache, tmp_path / "warm.pt", "--sizes", "5,16,23", **env)
+    counts = warm["counters"]
+    assert warm["warm_start"] is True, warm
+    assert counts.get("served_eagerly", 0) == 0 and counts.get("graphs_traced", 0) == 0, counts
+    assert counts.get("inductor_compiles", 0) == 0, counts

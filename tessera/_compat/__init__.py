@@ -75,6 +75,7 @@ from tessera._compat.runtime import (
     global_module_hooks as global_module_hooks,
     has_backward_hooks as has_backward_hooks,
     has_forward_hooks as has_forward_hooks,
+    interpreter_exiting as interpreter_exiting,
     join_before_pools_shut as join_before_pools_shut,
     trace_artifact as trace_artifact,
 )

@@ -109,3 +109,12 @@ def join_before_pools_shut(thread: threading.Thread) -> None:
         return
     with contextlib.suppress(RuntimeError):  # already shutting down: nothing left to order
         register(thread.join)
+
+
+def interpreter_exiting() -> bool:
+    """Whether the interpreter has begun to exit (its exit hooks run, or the main thread ended).
+
+    Reason: during ``threading._shutdown``'s exit hooks (where ``join_before_pools_shut``'s joins
+    run) CPython 3.11 still reports the main thread alive; the private ``threading._SHUTTING_DOWN``
+    is set first. Checked on torch 2.11, 2.13 (CPython 3.10-3.13's private flag; no torch API)."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or not threading.main_thread().is_alive()
