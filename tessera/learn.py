@@ -7,7 +7,9 @@ artifact served it (the report's histogram). With a ``SizeLearner`` it also keep
 that holds at least ``share`` of them is handed to ``learn`` (compiled statically in the
 background and swapped in by the backend). At most ``limit`` sizes are learnt; when a hotter size
 needs a place, the coldest learnt one is retired, but only if the newcomer's share is at least
-twice the retired one's, so two sizes of similar heat do not take turns compiling.
+twice the retired one's, so two sizes of similar heat do not take turns compiling. A size is
+learnt only once it has been seen in each of the last two windows of ``EVERY`` calls: traffic
+confirms it, where a burst at start-up (a warm-up call, a health check's size) does not.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ class SizeLearner:
         self._ready = ready
         self._recent: dict[int, float] = {}
         self._calls = 0
+        # The sizes of the calls since the last look, and those seen in each of the last two
+        # windows of EVERY calls: a size is learnt only once traffic has confirmed it, in two
+        # windows in a row (a burst at start-up, a warm-up call, is not).
+        self._window: dict[int, int] = {}
+        self._confirmed: frozenset[int] = frozenset()
+        self._previous: frozenset[int] = frozenset()
         self._look = threading.Lock()  # one look at a time; a call never waits for it
         self.events: list[tuple[str, LearntSize]] = []  # ("learnt" | "retired", size): the record
 
@@ -79,6 +87,8 @@ class SizeLearner:
         """One call of ``size`` (the hot path: a dict update, and a look every EVERY calls)."""
         recent = self._recent
         recent[size] = recent.get(size, 0.0) + 1.0
+        window = self._window
+        window[size] = window.get(size, 0) + 1
         self._calls += 1
         if self._calls % EVERY == 0:
             self.look()
@@ -98,10 +108,17 @@ class SizeLearner:
             shares = self.shares()
             if decay:
                 self._recent = {s: c * DECAY for s, c in self._recent.items() if c * DECAY >= 0.5}
+                window, self._window = self._window, {}
+                self._confirmed = self._previous & frozenset(window)
+                self._previous = frozenset(window)
             if not self._ready():
                 return
             hot = sorted(
-                (s for s, p in shares.items() if p >= self.share and s not in self._listed and s >= 1),
+                (
+                    s
+                    for s, p in shares.items()
+                    if p >= self.share and s not in self._listed and s >= 1 and s in self._confirmed
+                ),
                 key=lambda s: -shares[s],
             )
             for size in hot:

@@ -94,10 +94,32 @@ def test_at_most_limit_sizes_and_a_much_hotter_one_takes_the_coldest_place():
 def test_a_size_whose_compile_failed_is_not_tried_again():
     recorder = Recorder()
     learner = recorder.learner()
-    feed(learner, [7], 64)
+    feed(learner, [7], 2 * learn.EVERY)  # seen in two windows in a row: learnt
     learner.refuse(7)
     feed(learner, [7], 640)
     assert recorder.learnt == [7] and learner.learnt == ()
+
+
+def test_a_burst_at_start_up_is_not_learnt_until_traffic_confirms_it():
+    recorder = Recorder()
+    learner = recorder.learner()
+    feed(learner, [512], 10)  # warm-up calls: 10 of the first window's 64, 16%
+    feed(learner, [1, 2, 3, 4, 5, 6, 7, 8], 30)
+    assert 512 not in recorder.learnt and recorder.learnt  # the traffic's sizes are learnt
+    feed(learner, [512], 1)  # a look between windows (after a compile, before ready) decides the same
+    learner.look(decay=False)
+    assert 512 not in recorder.learnt
+    # Traffic that keeps the size, window after window, confirms it.
+    feed(learner, [512] * 4 + [1], 60)
+    assert 512 in recorder.learnt
+
+
+def test_one_call_before_any_look_is_not_learnt():
+    recorder = Recorder()
+    learner = recorder.learner()
+    feed(learner, [300], 1)  # a warm-up call, counted while the background compile ran
+    learner.look(decay=False)  # the look when the compile is done
+    assert recorder.learnt == []
 
 
 # -- served -----------------------------------------------------------------------------------------
@@ -157,7 +179,7 @@ def test_learnt_sizes_are_the_capture_sizes_under_cuda_graphs(monkeypatch):
         with torch.no_grad():  # the decode model writes its KV cache in place
             torch.testing.assert_close(compiled(ids, pos), reference(ids, pos))
 
-    for position in range(learn.EVERY + 1):
+    for position in range(2 * learn.EVERY + 1):
         step(8, position % 60)
     assert compiled.wait_ready(60)
     assert compiled.report.learnt_sizes == (8,)
