@@ -30,7 +30,7 @@ from tessera.cache.key import (
     traced_sources,
 )
 from tessera.cache.remote import RemoteTier
-from tessera.cache.sharing import compile_turn
+from tessera.cache.sharing import compile_turn, prefetch
 from tessera.compile_pool import CompilePool, default_count, shared_pool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import (
@@ -166,7 +166,14 @@ def _build_pieces(
     # static sizes in the workers (as in the background, but before the first output).
     rest_now = not later and split_model.pool is not None
     entry = split_model.artifact_cache.entry
-    turn = compile_turn(entry, needed, split_model.remote) if entry is not None else contextlib.nullcontext()
+    if entry is None:
+        turn: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    elif serves_traced(split_model):
+        # Nothing here waits for the fleet: what it has is loaded, the rest serves as traced and
+        # compiles in the background compile's turn (schedule.py), where a replica waits.
+        turn = prefetch(entry, needed, split_model.remote)
+    else:
+        turn = compile_turn(entry, needed, split_model.remote)
     progress = CompileProgress(split_model.prefix, len(needed))
     try:
         with COMPILE_LOCK, turn:
@@ -273,15 +280,14 @@ def _build(
 
 
 def serves_traced(split_model: SplitModel) -> bool:
-    # Not with a remote tier: the fleet's compile turn (one replica compiles, the others wait
-    # and load) covers what the first call compiles, and a piece served as traced is not
-    # compiled in that turn, so every replica would compile it.
+    """Whether pieces whose general artifact is not in the cache serve as traced until it is.
+    With a remote tier too: the fleet's compile turn is then the background compile's, so a
+    replica serves while the lease holder compiles, and loads what it publishes."""
     return (
         split_model.serve_traced
         and _background(split_model)
         and split_model.config.serve_while_compiling
         and split_model.compiler.name != "eager"
-        and split_model.remote is None
     )
 
 

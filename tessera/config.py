@@ -137,10 +137,9 @@ class CompileConfig:
     # compile. A first call of a listed size under 2 (a size-1 decode) is always compiled at once.
     serve_while_compiling: bool = True
     # With background_compile: a call no trace covers (the first of a cold process) is answered by
-    # the model's own forward while its trace is made in another thread (beside.py). Off by
-    # default for now: a process that exits while such traces compile may leave one unsaved (a
-    # Hugging Face gemma3 generate() needed a second process to start warm), see docs/serving.md.
-    eager_first: bool = field(default_factory=lambda: v.env_on("EAGER_FIRST"))
+    # the model's own forward while its trace is made in another thread (beside.py), so no call
+    # waits for a compiler. False: that call waits for its trace (docs/serving.md).
+    eager_first: bool = field(default_factory=lambda: not v.env_off("EAGER_FIRST"))
     # Worker processes that compile the static sizes (compile_sizes) while this process compiles
     # the general artifacts (in the background, or up front), started on the first model that
     # needs them and kept for the process; artifacts are the same as compiled here. 0: none.

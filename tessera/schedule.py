@@ -6,6 +6,7 @@ what waits for all of them. Also the one way a compile thread is started (``star
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import logging
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tessera import _compat
+from tessera.cache.index import index_key
+from tessera.cache.sharing import compile_turn
 from tessera.compile_pool import WorkerFanOut
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import CompilesInWorkers
@@ -25,6 +28,7 @@ from tessera.work import Job, general_first
 
 if TYPE_CHECKING:
     from tessera.artifact_cache import ArtifactCache, CompileOutcome
+    from tessera.cache.remote import RemoteTier
     from tessera.compile_pool import CompilePool
     from tessera.compilers import Compiler
     from tessera.progress import CompileProgress
@@ -43,6 +47,7 @@ class BackgroundOwner(Protocol):
     artifact_cache: ArtifactCache
     phases: dict[str, float]
     pool: CompilePool | None  # compile workers for the static sizes, when the model has them
+    remote: RemoteTier | None  # the fleet's tier: the background compile takes its compile turn
 
     def add_artifact(
         self, item: SplitItem, size: Size, outcome: CompileOutcome, progress: CompileProgress | None = None
@@ -147,10 +152,11 @@ class Background:
         start = time.perf_counter()
         try:
             # This thread started with grad enabled and no autocast: compile as the trace was made.
-            with owner.state.applied():
+            with owner.state.applied(), self._turn():
                 self.compile_all()
+                with COMPILE_LOCK:  # the background's artifacts in the index, in one write, in the turn
+                    owner.artifact_cache.flush()
             with COMPILE_LOCK:
-                owner.artifact_cache.flush()  # the background's artifacts in the index, in one write
                 # Every size is in place: said before `then` writes the report that tells it.
                 owner.phases["background_compile"] = time.perf_counter() - start
                 self.state = BackgroundState.DONE
@@ -172,6 +178,15 @@ class Background:
             with self._lock:
                 self.ready.set()
             self._run_after_ready()
+
+    def _turn(self) -> contextlib.AbstractContextManager[None]:
+        """With a remote tier, the fleet's compile turn over every job: one replica compiles
+        them, the others wait here (serving as traced meanwhile) and load what it publishes."""
+        entry, remote = self.owner.artifact_cache.entry, self.owner.remote
+        if entry is None or remote is None:
+            return contextlib.nullcontext()
+        needed = {index_key(job.size, job.work.item.index, self.owner.compiler.name) for job in self.jobs}
+        return compile_turn(entry, needed, remote)
 
     def _run_after_ready(self) -> None:
         with self._lock:

@@ -138,17 +138,18 @@ def race(tmp_path: Path, url: str | None, count: int, *args: str, **env: str) ->
     return results_in(out)
 
 
-def eight_then_a_ninth(tmp_path: Path, url: str) -> None:
+def eight_then_a_ninth(tmp_path: Path, url: str, **env: str) -> list[dict]:
     """Eight Inductor replicas on an empty store compile the toy Llama's three distinct pieces
     (first, middle, last) once in all; a ninth, on an empty local root, compiles and traces nothing."""
-    results = race(tmp_path / "eight", url, 8)
+    results = race(tmp_path / "eight", url, 8, **env)
     assert len(results) == 8 and all(r["matched"] for r in results)
     assert sum(r["counters"]["inductor_compiles"] for r in results) == 3, json.dumps(
         [r["counters"] for r in results]
     )
-    (ninth,) = race(tmp_path / "ninth", url, 1)
+    (ninth,) = race(tmp_path / "ninth", url, 1, **env)
     assert ninth["matched"] and ninth["counters"]["inductor_compiles"] == 0
     assert ninth["counters"]["graphs_traced"] == 0 and ninth["warm_start"] is True
+    return results
 
 
 class Stderr:

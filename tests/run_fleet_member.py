@@ -2,7 +2,9 @@
 
 Usage: python -m tests.run_fleet_member OUT_DIR [--backend inductor] [--layers 2] [--barrier DIR]
        [--hold DIR] [--distributed] [--rank-width]
-Writes OUT_DIR/<name>.json (counters, whether outputs matched eager, seconds to first output).
+Writes OUT_DIR/early/<name>.json once a trace serves (counters, whether outputs matched eager, calls
+served as traced), then OUT_DIR/<name>.json once every compile is done (counters, whether outputs
+matched eager, seconds to first output).
 Under torchrun (--distributed) it joins a gloo group first; --rank-width gives each rank its own
 model width, so the ranks' graphs differ. --hold DIR: the fleet's first compile (the lease
 holder's) creates DIR/holder and waits there for DIR/release, so a test can act while it holds.
@@ -90,6 +92,25 @@ def main() -> int:
             ids, pos = toy_llama.example_inputs(n)
             same = torch.allclose(compiled(ids, pos), model(ids, pos), atol=1e-4, rtol=1e-4)
             matched = matched and bool(same)
+        # Once a trace serves: more calls, served as traced (or compiled, or loaded), then a
+        # record of what served, written while the fleet may still be compiling.
+        compiled.wait_traced()
+        for n in (5, 9):
+            ids, pos = toy_llama.example_inputs(n)
+            matched = matched and bool(
+                torch.allclose(compiled(ids, pos), model(ids, pos), atol=1e-4, rtol=1e-4)
+            )
+    report = compiled.report
+    early = {
+        "counters": tessera.counters.snapshot(),
+        "matched": matched,
+        "served_as_traced": sum(a.served for a in report.artifacts if a.source == "as traced")
+        if report
+        else 0,
+    }
+    Path(args.out, "early").mkdir(exist_ok=True)
+    Path(args.out, "early", f"{name}.json").write_text(json.dumps(early))
+    compiled.wait_ready()  # the counters below: every compile or load done
     report = {
         "counters": tessera.counters.snapshot(),
         "matched": matched,

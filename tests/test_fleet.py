@@ -246,12 +246,14 @@ def test_a_piece_that_could_not_be_written_locally_is_never_published(tmp_path, 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    record_artifact = CacheEntry.record_artifact
     monkeypatch.setattr(CacheEntry, "record_artifact", disk_full)
     with pytest.warns(CacheWarning, match="No space left on device"):
         _compile_and_check(tmp_path / "full", redis_server.url)
     client = redis_server.client()
     assert not list(client.scan_iter("tessera:v1:entry:*")), "a manifest of pieces never written"
-    monkeypatch.undo()
+    # The disk has room again (only this patch undone: the suite's settings stay as they are).
+    monkeypatch.setattr(CacheEntry, "record_artifact", record_artifact)
     tessera.counters.reset()
     _compile_and_check(tmp_path / "next", redis_server.url)
     assert tessera.counters.snapshot()["eager_compiles"] > 0 and list(client.scan_iter("tessera:v1:entry:*"))
@@ -371,6 +373,32 @@ def test_an_evicted_blob_is_a_miss_not_a_failure(tmp_path, redis_server):
     tessera.counters.reset()
     again = _compile_and_check(tmp_path / "two", redis_server.url)
     assert again.warm_start is False and tessera.counters.snapshot()["graphs_traced"] == 1
+
+
+def test_blobs_stream_from_redis_in_ranges_and_land_whole(tmp_path, redis_server, monkeypatch):
+    """A blob is read in ranges (never a whole file of GBs in memory), several blobs at once; the
+    entry it makes starts the next process warm with eager's numbers."""
+    _compile_and_check(tmp_path / "one", redis_server.url)
+    client = redis_server.client()
+    sizes = [client.strlen(key) for key in client.scan_iter("tessera:v1:blob:*")]
+    chunk = 1024
+    assert max(sizes) > 2 * chunk, sizes  # some blob takes several ranges
+    monkeypatch.setattr("tessera.cache.blobstore.CHUNK_BYTES", chunk)
+    ranges: list[tuple[int, int]] = []
+    getrange = redis.Redis.getrange
+
+    def counted(self, key, start, end):
+        ranges.append((start, end))
+        return getrange(self, key, start, end)
+
+    monkeypatch.setattr(redis.Redis, "getrange", counted)
+    tessera.counters.reset()
+    again = _compile_and_check(tmp_path / "two", redis_server.url)
+    counted_now = tessera.counters.snapshot()
+    assert again.warm_start is True and counted_now["graphs_traced"] == 0
+    assert max(end - start + 1 for start, end in ranges) <= chunk
+    # Every byte of every blob came in a range.
+    assert counted_now["remote_bytes_read"] == sum(end - start + 1 for start, end in ranges) > 2 * chunk
 
 
 # -- ranks ----------------------------------------------------------------------------------------

@@ -271,7 +271,10 @@ def test_a_bad_object_store_url_is_a_config_error(fields, message):
 # -- fleets ---------------------------------------------------------------------------------------
 @pytest.mark.inductor
 def test_eight_replicas_on_one_bucket_compile_each_piece_once_and_a_ninth_starts_warm(tmp_path, s3_server):
-    eight_then_a_ninth(tmp_path, s3_server.url)
+    """On the defaults (background compile, eager first): each replica answers eagerly, then as
+    traced while the lease holder compiles; the fleet compiles each piece once all the same."""
+    results = eight_then_a_ninth(tmp_path, s3_server.url, TESSERA_BACKGROUND_COMPILE="1")
+    assert all(r["counters"]["served_eagerly"] >= 1 for r in results), [r["counters"] for r in results]
 
 
 def test_a_shared_directory_fleet_compiles_once(tmp_path):
@@ -378,3 +381,32 @@ def test_a_lease_holder_killed_midway_leaves_the_lease_to_expire(tmp_path, s3_se
     assert result["matched"] and result["counters"]["eager_compiles"] > 0  # it took over
     # Taken within the lease's time and a few polls, not after TESSERA_REMOTE_WAIT_SECONDS.
     assert result["first_output_at"] - killed < lease + 10
+
+
+@pytest.mark.inductor
+def test_a_replica_serves_as_traced_while_the_lease_holder_compiles(tmp_path, s3_server):
+    """A fleet serves while it compiles: the second replica answers (eagerly, then its pieces as
+    traced) while the first holds the lease in its compile, compiles nothing itself, and loads
+    what the holder publishes once it lets go."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    out.mkdir()
+    gate.mkdir()
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}  # and eager first: the defaults
+    holder = member(out, tmp_path / "a", s3_server.url, "--hold", str(gate), **defaults)
+    until((gate / "holder").exists, [holder], "the first replica holds the lease in its compile")
+    second = member(out, tmp_path / "b", s3_server.url, **defaults)
+    log = Stderr(second)
+    early = out / "early" / f"replica-{second.pid}.json"
+    until(early.exists, [holder, second], "the second serves as traced")
+    served = json.loads(early.read_text())
+    assert not (gate / "release").exists() and not results_in(out)  # the holder is still held
+    assert served["matched"] and served["served_as_traced"] > 0, served
+    assert served["counters"]["inductor_compiles"] == 0, served["counters"]
+    # Its background compile waits for the holder (it may reach the lease after that record).
+    until(lambda: log.count("another process is compiling") > 0, [second], "the second waits for the holder")
+    (gate / "release").touch()
+    log.finish()
+    wait_all([holder])
+    results = {r["counters"]["inductor_compiles"] for r in results_in(out)}
+    assert results == {0, 3}, results  # the holder compiled the three pieces; the second, nothing
+    assert all(r["matched"] for r in results_in(out))

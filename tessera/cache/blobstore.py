@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from tessera import counters
+from tessera.cache.download import CHUNK_BYTES, Downloaded, write_stream
 from tessera.errors import CacheWarning, ConfigError
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,10 @@ class BlobStore(Protocol):
         ...
 
     def get(self, key: str) -> bytes | None: ...
+
+    def download(self, key: str, target: Path) -> Downloaded | None:
+        """Stream the value into ``target`` (download.write_stream); None where there is none."""
+        ...
 
     def put(self, key: str, value: bytes) -> None: ...
 
@@ -112,6 +119,20 @@ class RedisStore:
         self._count(False)
         value = self._client.get(key)
         return value if isinstance(value, bytes) else None  # bytes: responses are not decoded
+
+    def download(self, key: str, target: Path) -> Downloaded | None:
+        self._count(False)
+        length = int(self._client.strlen(key))
+        if not length and not self.exists(key):
+            return None
+
+        def chunks() -> Iterator[bytes]:
+            # Ranges of a blob, never replaced once written (named by its content).
+            for start in range(0, length, CHUNK_BYTES):
+                self._count(False)
+                yield self._client.getrange(key, start, min(start + CHUNK_BYTES, length) - 1)
+
+        return write_stream(target, chunks())
 
     def put(self, key: str, value: bytes) -> None:
         self._count(True)
@@ -231,6 +252,7 @@ class FaultBudget:
         self.store_name = store_name
         self.seconds = seconds
         self.spent = 0.0
+        self._spending = threading.Lock()
         self._store = store
         self._pause_cap = min(0.5, seconds / 4)  # restarts take about that: retry soon after
         self._retry = store.retrying(self._pause_cap)
@@ -266,4 +288,5 @@ class FaultBudget:
             began[0] = time.monotonic()
             raise
         finally:
-            self.spent += began[0] - start
+            with self._spending:  # blobs are fetched several at once (download.py)
+                self.spent += began[0] - start

@@ -33,6 +33,7 @@ import filelock
 
 from tessera import counters
 from tessera.cache.blobstore import NAMESPACE
+from tessera.cache.download import CHUNK_BYTES, Downloaded, write_stream
 from tessera.errors import ConfigError
 
 RELEASED = b"-"  # a lease given back: free for the next taker
@@ -184,6 +185,14 @@ class ObjectStore:
         found = self._read(self._path(key))
         return None if found is None else found[0]
 
+    def download(self, key: str, target: Path) -> Downloaded | None:
+        counters.bump("remote_requests")
+        try:
+            found = self._ob.get(self._store, self._path(key))
+        except FileNotFoundError:  # obstore's NotFoundError
+            return None
+        return write_stream(target, found.stream(min_chunk_size=CHUNK_BYTES))
+
     def put(self, key: str, value: bytes) -> None:
         self._write(self._path(key), value)
 
@@ -324,6 +333,7 @@ class LeasesApart:
         self.errors = (*blobs.errors, *leases.errors)
         self.transient = leases.transient
         self.get, self.put, self.add, self.exists = blobs.get, blobs.put, blobs.add, blobs.exists
+        self.download = blobs.download
         self.put_if_absent, self.renew, self.delete_if = leases.put_if_absent, leases.renew, leases.delete_if
 
     def retrying(self, pause_cap: float) -> Any:

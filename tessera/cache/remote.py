@@ -43,6 +43,7 @@ from tessera.cache.blobstore import (
     fault,
     warn_fault,
 )
+from tessera.cache.download import Downloaded, staged_blobs
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
 from tessera.validation import env_seconds
@@ -218,50 +219,56 @@ class RemoteTier:
         if model is not None:  # signed with the pointer, for this fingerprint: it wins
             index.model = model
             files = {**files, MODEL: model.sha256}
-        fetched: dict[str, bytes] = {}
-        altered = []
-        for name, sha in files.items():
-            path = entry / name
-            if path.exists() and sha256_file(path) == sha:
-                continue
-            data = self._call("fetching a blob", self.store.get, f"{NAMESPACE}blob:{sha}")
-            if data is None:
-                log.info("remote entry %s/%s is incomplete (%s): compiling", key[:10], prefix, name)
+        wanted = {
+            n: sha for n, sha in files.items() if not ((entry / n).exists() and sha256_file(entry / n) == sha)
+        }
+        with staged_blobs(entry, wanted, self._download) as staging:
+            counters.bump("remote_bytes_read", staging.size)
+            if staging.local_error is not None:
+                trust.warn_once(entry, str(staging.local_error), "not keeping the remote entry locally")
+                return False
+            if staging.missing:
+                log.info(
+                    "remote entry %s/%s is incomplete (%s): compiling", key[:10], prefix, staging.missing[0]
+                )
                 return False  # evicted, or its upload never finished
-            counters.bump("remote_bytes_read", len(data))
-            if hashlib.sha256(data).hexdigest() != sha:
-                altered.append(name)
-                self._altered.add(sha)  # this process's next publish puts the right bytes back
-            else:
-                fetched[name] = data
-        if altered:
-            trust.warn_once(
-                Path(self.name),
-                f"entry {key[:10]}/{prefix}: {', '.join(altered)} do(es) not match the sha256 the manifest "
-                "names (altered in the store)",
-                "not using the entry; compiling instead",
-            )
-            return False
-        try:
-            # Under the entry's own lock, as every index update is; what the local index already
-            # vouches for wins, and its files are left as they are.
-            with filelock.FileLock(str(entry / ".lock"), timeout=60):
-                local = self._local_index(entry)
-                merged = local.merged_with(index) if local is not None else index
-                if fetched or merged != local:
-                    vouched = _file_checksums(merged)
-                    for name, data in fetched.items():
-                        if vouched.get(name) == files[name]:
-                            atomic_write(entry / name, data)
-                    atomic_write(entry / INDEX, merged.format().encode())  # last: files first
-        except OSError as e:
-            trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
-            return False
+            if staging.altered:
+                self._altered.update(files[n] for n in staging.altered)  # the next publish repairs them
+                trust.warn_once(
+                    Path(self.name),
+                    f"entry {key[:10]}/{prefix}: {', '.join(sorted(staging.altered))} do(es) not match the "
+                    "sha256 the manifest names (altered in the store)",
+                    "not using the entry; compiling instead",
+                )
+                return False
+            try:
+                # Under the entry's own lock, as every index update is; what the local index already
+                # vouches for wins, and its files are left as they are.
+                with filelock.FileLock(str(entry / ".lock"), timeout=60):
+                    local = self._local_index(entry)
+                    merged = local.merged_with(index) if local is not None else index
+                    if staging.staged or merged != local:
+                        vouched = _file_checksums(merged)
+                        for name in list(staging.staged):
+                            if vouched.get(name) == files[name]:
+                                staging.install(name)
+                        atomic_write(entry / INDEX, merged.format().encode())  # last: files first
+            except OSError as e:
+                trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
+                return False
         pieces = frozenset(merged.entries)
         self._merged[(key, prefix)] = (raw, pieces)
         self._in_store.add((key, prefix))
-        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.name, len(fetched))
+        log.info("fetched entry %s/%s from %s (%d file(s))", key[:10], prefix, self.name, len(wanted))
         return needed is None or needed <= pieces
+
+    def _download(self, sha: str, target: Path) -> Downloaded | None:
+        """Blob ``sha`` streamed into ``target``, within the fault budget; None where the store
+        lacks it, or has failed for good."""
+        found: Downloaded | None = self._call(
+            "fetching a blob", self.store.download, f"{NAMESPACE}blob:{sha}", target
+        )
+        return found
 
     @staticmethod
     def _local_index(entry: Path) -> Index | None:

@@ -65,6 +65,20 @@ def compile_turn(entry: CacheEntry, needed: set[IndexKey], remote: RemoteTier | 
             lock.release()
 
 
+@contextlib.contextmanager
+def prefetch(entry: CacheEntry, needed: set[IndexKey], remote: RemoteTier | None) -> Iterator[None]:
+    """Before the block: what a sibling rank or the fleet already compiled, brought into the entry,
+    without waiting for anyone (no lock, no lease). For a trace whose pieces serve as traced until
+    their artifacts are in: what is missing compiles later, in the background compile's own turn."""
+    entry.reload()
+    if _missing(entry, needed):
+        _take_from_siblings(entry)
+    if remote is not None and _missing(entry, needed):
+        remote.fetch(entry.path, entry.key, entry.path.name, needed)
+        entry.reload()
+    yield
+
+
 def _missing(entry: CacheEntry, needed: set[IndexKey]) -> bool:
     return not needed <= set(entry.index.entries)
 
