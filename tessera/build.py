@@ -45,6 +45,7 @@ from tessera.piece import (
     PieceRunner,
     dynamic_inputs,
     find_size_source,
+    shape_sources,
 )
 from tessera.progress import CompileProgress, Timing
 from tessera.split import (
@@ -222,6 +223,8 @@ def _build(
     output = next(iter(reversed(item.graph.graph.nodes)))
     returns_tuple = isinstance(output.args[0], (tuple, list))
     source = find_size_source(fake_args)
+    # Several dynamic sizes (batch x length): where each is read, for the shapes learnt later.
+    shapes = shape_sources(fake_args) if source is not None and split_model.config.auto_sizes else ()
     sizes = _sizes(split_model, fake_args)
     content = piece_content(item.graph, fake_args)
     split_model.pieces[item.name].content = content
@@ -273,8 +276,11 @@ def _build(
         compile_seconds=tuple(seconds),
         dynamic=dynamic_inputs(fake_args, outputs),
         partitions=partitions_of(split_model.compiler, artifacts.get(None)),
+        shape_sources=shapes,
     )
-    runner = PieceRunner(item.name, artifacts, source, config.max_size, traced_general=not now)
+    runner = PieceRunner(
+        item.name, artifacts, source, config.max_size, traced_general=not now, shape_sources=shapes
+    )
     runner.as_traced = item.graph.forward
     split_gm.__dict__[item.name] = split_model.pieces.install_runner(record, runner)
 

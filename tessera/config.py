@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
-from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE
+from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE, Counted
 
 MODES = ("none", "stock", "trace_once", "piecewise")
 BUILTIN_BACKENDS = ("inductor", "eager")
@@ -44,8 +44,35 @@ class SizeRange:
         return f"[{self.start},{'max' if self.end is None else self.end}]"
 
 
-# What a piece is compiled for: None is the general (symbolic) size, an int one static size.
-Size = int | SizeRange | None
+@dataclass(frozen=True, order=True)
+class Shape:
+    """One static value for each dynamic size of a piece that has several (batch x length), in the
+    order of the piece's size symbols (``piece.shape_sources``): a shape learnt from traffic."""
+
+    values: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.values))
+
+
+# What a piece is compiled for: None is the general (symbolic) size, an int one static size, a
+# Shape one static value per dynamic size.
+Size = int | SizeRange | Shape | None
+
+
+def static_size(counted: Counted) -> int | Shape:
+    """What a counted size compiles as: itself, or the Shape of its values."""
+    return Shape(counted) if isinstance(counted, tuple) else counted
+
+
+def counted_of(value: Any) -> Counted | None:
+    """A size as a record holds it (a positive int, or a list of two or more: a shape), read back;
+    None when it is neither."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 1 else None
+    if isinstance(value, list | tuple) and len(value) >= 2 and all(counted_of(v) is not None for v in value):
+        return tuple(value)
+    return None
 
 
 # Appended to a general entry that is the piece as traced (eager kernels), serving until its
@@ -54,11 +81,14 @@ TRACED_LABEL = "(as traced)"
 
 
 def size_label(size: Size) -> str:
-    """``general``, ``size 16`` or ``range [9,32]``: how records and logs name an artifact."""
+    """``general``, ``size 16``, ``range [9,32]`` or ``shape 4x128``: how records and logs name an
+    artifact."""
     if size is None:
         return "general"
     if isinstance(size, SizeRange):
         return f"range {size}"
+    if isinstance(size, Shape):
+        return f"shape {size}"
     return f"size {size}"
 
 

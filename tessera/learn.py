@@ -32,13 +32,16 @@ DEFAULT_SHARE = 0.05
 DEFAULT_LIMIT = 8  # learnt sizes per trace by default (CompileConfig.auto_sizes)
 # A newcomer takes the coldest learnt size's place only when its share is this many times larger.
 RETIRE_RATIO = 2.0
+# A call's size as it is counted and learnt: one value, or one per dynamic size of pieces that have
+# several (batch x length: a shape, compiled as config.Shape).
+Counted = int | tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class LearntSize:
     """A size learnt, and its share of recent calls when it was."""
 
-    size: int
+    size: Counted
     share: float
 
 
@@ -55,35 +58,35 @@ class SizeLearner:
         limit: int,
         share: float,
         listed: Iterable[int],
-        learnt: Iterable[int],
-        learn: Callable[[int], None],
-        retire: Callable[[int], None],
+        learnt: Iterable[Counted],
+        learn: Callable[[Counted], None],
+        retire: Callable[[Counted], None],
         ready: Callable[[], bool],
     ) -> None:
         self.limit = limit
         self.share = share
-        self._listed = frozenset(listed)
-        self.learnt: tuple[int, ...] = tuple(s for s in learnt if s not in self._listed)[:limit]
+        self._listed: frozenset[Counted] = frozenset(listed)
+        self.learnt: tuple[Counted, ...] = tuple(s for s in learnt if s not in self._listed)[:limit]
         self._learn = learn
         self._retire = retire
         self._ready = ready
-        self._recent: dict[int, float] = {}
+        self._recent: dict[Counted, float] = {}
         self._calls = 0
         # The sizes of the calls since the last look, and those seen in each of the last two
         # windows of EVERY calls: a size is learnt only once traffic has confirmed it, in two
         # windows in a row (a burst at start-up, a warm-up call, is not).
-        self._window: dict[int, int] = {}
-        self._confirmed: frozenset[int] = frozenset()
-        self._previous: frozenset[int] = frozenset()
+        self._window: dict[Counted, int] = {}
+        self._confirmed: frozenset[Counted] = frozenset()
+        self._previous: frozenset[Counted] = frozenset()
         self._look = threading.Lock()  # one look at a time; a call never waits for it
         self.events: list[tuple[str, LearntSize]] = []  # ("learnt" | "retired", size): the record
 
-    def refuse(self, size: int) -> None:
+    def refuse(self, size: Counted) -> None:
         """A learnt size whose compile failed: no longer learnt, and never tried again."""
         self.learnt = tuple(s for s in self.learnt if s != size)
         self._listed = self._listed | {size}
 
-    def seen(self, size: int) -> None:
+    def seen(self, size: Counted) -> None:
         """One call of ``size`` (the hot path: a dict update, and a look every EVERY calls)."""
         recent = self._recent
         recent[size] = recent.get(size, 0.0) + 1.0
@@ -93,7 +96,7 @@ class SizeLearner:
         if self._calls % EVERY == 0:
             self.look()
 
-    def shares(self) -> dict[int, float]:
+    def shares(self) -> dict[Counted, float]:
         """Each size's share of recent calls."""
         recent = dict(self._recent)  # a copy: calls in other threads go on counting
         total = sum(recent.values())
@@ -117,7 +120,7 @@ class SizeLearner:
                 (
                     s
                     for s, p in shares.items()
-                    if p >= self.share and s not in self._listed and s >= 1 and s in self._confirmed
+                    if p >= self.share and s not in self._listed and _positive(s) and s in self._confirmed
                 ),
                 key=lambda s: -shares[s],
             )
@@ -131,14 +134,14 @@ class SizeLearner:
                     self.learnt = tuple(s for s in self.learnt if s != coldest)
                     self.events.append(("retired", LearntSize(coldest, shares.get(coldest, 0.0))))
                     log.info(
-                        "auto sizes: size %d retired (%.1f%% of recent calls)",
-                        coldest,
+                        "auto sizes: %s retired (%.1f%% of recent calls)",
+                        _label(coldest),
                         100 * shares.get(coldest, 0.0),
                     )
                     self._retire(coldest)
                 self.learnt = (*self.learnt, size)
                 self.events.append(("learnt", LearntSize(size, shares[size])))
-                log.info("auto sizes: learning size %d (%.1f%% of recent calls)", size, 100 * shares[size])
+                log.info("auto sizes: learning %s (%.1f%% of recent calls)", _label(size), 100 * shares[size])
                 self._learn(size)
                 return  # one compile per look: the next look sees the traffic again
         finally:
@@ -153,15 +156,29 @@ class SizeTally:
 
     def __init__(self, learner: SizeLearner | None = None) -> None:
         self.learner = learner
-        self.served: dict[tuple[int, str], int] = {}
+        self.served: dict[tuple[Counted, str], int] = {}
 
-    def seen(self, size: int, label: str) -> None:
+    def seen(self, size: Counted, label: str) -> None:
         key = (size, label)
         served = self.served
         served[key] = served.get(key, 0) + 1
         if self.learner is not None:
             self.learner.seen(size)
 
-    def histogram(self) -> tuple[tuple[int, str, int], ...]:
+    def histogram(self) -> tuple[tuple[Counted, str, int], ...]:
         """(size, artifact label, calls), by size."""
-        return tuple(sorted((s, label, n) for (s, label), n in dict(self.served).items()))
+        return tuple(sorted(((s, label, n) for (s, label), n in dict(self.served).items()), key=by_size))
+
+
+def by_size(row: tuple[Counted, str, int]) -> tuple[tuple[int, ...], str]:
+    """The order of a histogram's rows: by size (a shape by its values), then label."""
+    size = row[0]
+    return (size if isinstance(size, tuple) else (size,), row[1])
+
+
+def _positive(size: Counted) -> bool:
+    return all(v >= 1 for v in size) if isinstance(size, tuple) else size >= 1
+
+
+def _label(size: Counted) -> str:
+    return f"shape {'x'.join(map(str, size))}" if isinstance(size, tuple) else f"size {size}"

@@ -16,7 +16,7 @@ import torch
 
 from tessera import counters
 from tessera._compat import is_constant_symint, sym_expr
-from tessera.config import TRACED_LABEL, Size, SizeRange, size_label
+from tessera.config import TRACED_LABEL, Shape, Size, SizeRange, size_label
 from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
 
@@ -90,6 +90,9 @@ class PieceRecord:
     dynamic: DynamicInputs | None = None
     cudagraph_sizes: tuple[int, ...] = ()
     partitions: int | None = None  # Inductor's own partitions of this piece (graph_partition mode)
+    # Where each of the piece's dynamic sizes is read, in the order of a Shape's values, when it
+    # has several (batch x length): what a learnt shape dispatches on. Empty: one size or none.
+    shape_sources: tuple[SizeSource, ...] = ()
 
     @property
     def artifacts(self) -> tuple[str, ...]:
@@ -122,10 +125,13 @@ class PieceRunner:
         size_source: SizeSource | None,
         max_size: int | None,
         traced_general: bool = False,
+        shape_sources: Sequence[SizeSource] = (),
     ) -> None:
         """``traced_general``: the general entry is the piece as traced (eager kernels), serving
-        until its compiled artifact is added."""
+        until its compiled artifact is added. ``shape_sources``: where each dynamic size is read,
+        for a piece with several (its learnt shapes dispatch on them all)."""
         self.name = name
+        self._shape_sources = tuple(shape_sources)
         self.max_size = max_size
         self._source = size_source
         self._artifacts = {size: _Artifact(fn, size_label(size)) for size, fn in artifacts.items()}
@@ -138,6 +144,9 @@ class PieceRunner:
             key=lambda item: item[0],
         )
         self._exact: dict[int, _Artifact] = {s: a for s, a in self._artifacts.items() if isinstance(s, int)}
+        self._shapes: dict[tuple[int, ...], _Artifact] = {
+            s.values: a for s, a in self._artifacts.items() if isinstance(s, Shape)
+        }
         self._memo: dict[int, _Artifact] = dict(self._exact)
         self.tally: SizeTally | None = None  # the model's size counter, on its first sized piece
         # The piece as traced (its FX graph, eager kernels), where the process has it: what runs a
@@ -151,6 +160,8 @@ class PieceRunner:
         source = self._source
         if source is None:
             artifact = self._general
+        elif self._shape_sources:
+            artifact = self._by_shape(args)
         else:
             # SizeSource.read, inlined: this is the per-piece, per-call hot path.
             value = args[source.arg]
@@ -168,6 +179,19 @@ class PieceRunner:
             if self.as_traced is None or not str(e).startswith(_INDUCTOR_INPUT_ASSERT):
                 raise
             return self._as_traced(e, args)
+
+    def _by_shape(self, args: tuple[Any, ...]) -> _Artifact:
+        """A piece with several dynamic sizes: the artifact of its shape where one is learnt, else
+        the one its first size chooses (a range, the general artifact); the shape is counted."""
+        shape = tuple(s.read(args) for s in self._shape_sources)
+        artifact = self._shapes.get(shape)
+        if artifact is None:
+            assert self._source is not None, "a piece with a shape has a size"
+            size = self._source.read(args)
+            artifact = self._memo.get(size) or self._lookup(size)
+        if self.tally is not None:
+            self.tally.seen(shape, artifact.label)
+        return artifact
 
     def _as_traced(self, error: AssertionError, args: tuple[Any, ...]) -> Any:
         """A compiled artifact refused its inputs (Inductor's own size and stride assert, before
@@ -200,14 +224,22 @@ class PieceRunner:
             )
         elif isinstance(size, int):
             self._exact = {**self._exact, size: added}
+        elif isinstance(size, Shape):
+            self._shapes = {**self._shapes, size.values: added}
         else:  # the general artifact, compiled while the piece served as traced
             self._general = added
         self._artifacts = artifacts
         self._memo = dict(self._exact)  # sizes memoised on the general artifact look again
 
-    def drop(self, size: int) -> None:
+    def drop(self, size: int | Shape) -> None:
         """Take a static size's artifact out (a learnt size retired); its calls go to a range or
         the general artifact. Replaced whole, as in ``add``."""
+        if isinstance(size, Shape):
+            if size.values in self._shapes:
+                self._retired = (*self._retired, self._artifacts[size])
+                self._artifacts = {s: a for s, a in self._artifacts.items() if s != size}
+                self._shapes = {s: a for s, a in self._shapes.items() if s != size.values}
+            return
         if size not in self._exact:
             return
         self._retired = (*self._retired, self._artifacts[size])
@@ -223,6 +255,10 @@ class PieceRunner:
     def sizes(self) -> tuple[int, ...]:
         """The static sizes this piece has an artifact for."""
         return tuple(sorted(self._exact))
+
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes (one value per dynamic size) this piece has an artifact for."""
+        return tuple(sorted(self._shapes))
 
     def _lookup(self, size: int) -> _Artifact:
         if size < 0 or (self.max_size is not None and size > self.max_size):
@@ -281,6 +317,22 @@ def find_size_source(example_inputs: Sequence[Any], symbol: Any = None) -> SizeS
     return None
 
 
+def size_symbols(example_inputs: Sequence[Any]) -> list[Any]:
+    """The inputs' shape symbols in one order (by name): what a Shape's values are given for."""
+    return sorted(free_symbols(example_inputs), key=str)
+
+
+def shape_sources(example_inputs: Sequence[Any]) -> tuple[SizeSource, ...]:
+    """Where each shape symbol can be read, in ``size_symbols`` order, for inputs with several (a
+    piece whose tensors vary in batch and length); empty for one or none, or where a symbol is
+    only ever derived (``2*s0``) and cannot be read."""
+    symbols = size_symbols(example_inputs)
+    if len(symbols) < 2:
+        return ()
+    sources = [find_size_source(example_inputs, symbol) for symbol in symbols]
+    return tuple(s for s in sources if s is not None) if all(sources) else ()
+
+
 def free_symbols(example_inputs: Sequence[Any]) -> set[Any]:
     """Every shape symbol (sympy) in the inputs: SymInt values, tensor sizes and strides."""
     found: set[Any] = set()
@@ -298,24 +350,30 @@ def specialize_inputs(
     piece: str,
     example_inputs: Sequence[Any],
     real_inputs: Sequence[Any | None],
-    size: int,
+    size: int | Shape,
 ) -> list[Any]:
-    """Concrete inputs for compiling ``piece`` at one static ``size``.
+    """Concrete inputs for compiling ``piece`` at one static ``size`` (or ``Shape``: a value for
+    each of its dynamic sizes, in ``size_symbols`` order).
 
     Inputs without symbolic shapes reuse the real tensor Dynamo saw (weights: no copy); the others
     become zero tensors with the size substituted into every symbolic dim and stride.
     """
-    symbols = free_symbols(example_inputs)
-    if len(symbols) != 1:
+    symbols = size_symbols(example_inputs)
+    if isinstance(size, Shape):
+        if len(symbols) != len(size.values):
+            raise ConfigError(f"piece {piece}: shape {size} is not one value for each of {symbols}")
+        values = dict(zip(symbols, size.values, strict=True))
+    elif len(symbols) != 1:
         raise ConfigError(
             f"piece {piece}: compile_sizes need exactly one dynamic size, found symbols "
             f"{sorted(map(str, symbols))}; mark a single dynamic dim with dynamic_dims=..."
         )
-    (symbol,) = symbols
+    else:
+        values = {symbols[0]: size}
 
     def concrete(extent: Any) -> int:
         if isinstance(extent, torch.SymInt):
-            return int(sym_expr(extent).subs(symbol, size))
+            return int(sym_expr(extent).subs(values))
         return int(extent)
 
     _check_fits(piece, size, [fake for fake in example_inputs if isinstance(fake, torch.Tensor)], concrete)
@@ -337,7 +395,9 @@ def specialize_inputs(
     return out
 
 
-def _check_fits(piece: str, size: int, fakes: list[torch.Tensor], concrete: Callable[[Any], int]) -> None:
+def _check_fits(
+    piece: str, size: int | Shape, fakes: list[torch.Tensor], concrete: Callable[[Any], int]
+) -> None:
     """ConfigError if the example inputs for ``size`` would not fit in their device's memory."""
     needed: dict[torch.device, int] = {}
     for fake in fakes:

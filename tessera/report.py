@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tessera.config import CompileConfig, size_label
+from tessera.learn import Counted, by_size
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,8 @@ class CompileReport:
     # The compile on one time axis (seconds from the process's start), in the order obtained.
     timeline: tuple[Span, ...] = ()
     # Every call's size and the artifact that served it: (size, artifact label, calls).
-    sizes_served: tuple[tuple[int, str, int], ...] = ()
-    learnt_sizes: tuple[int, ...] = ()  # sizes learnt from traffic (compile_sizes="auto") serving now
+    sizes_served: tuple[tuple[Counted, str, int], ...] = ()
+    learnt_sizes: tuple[Counted, ...] = ()  # sizes learnt from traffic (compile_sizes="auto") serving now
 
     def phase(self, name: str) -> float:
         """Seconds spent in phase ``name`` (0.0 if it did not happen)."""
@@ -274,14 +275,14 @@ def timeline(traces: Iterable[TraceSpan], split_models: Iterable[Any]) -> tuple[
     return tuple(sorted(spans, key=lambda s: (s.start, s.end)))
 
 
-def sizes_served(split_models: Iterable[Any]) -> tuple[tuple[int, str, int], ...]:
+def sizes_served(split_models: Iterable[Any]) -> tuple[tuple[Counted, str, int], ...]:
     """(size, artifact label, calls) over the ``split_models``' counts, by size."""
-    counts: dict[tuple[int, str], int] = {}
+    counts: dict[tuple[Counted, str], int] = {}
     for split_model in split_models:
         if split_model.learning.tally is not None:
             for size, label, n in split_model.learning.tally.histogram():
                 counts[(size, label)] = counts.get((size, label), 0) + n
-    return tuple(sorted((size, label, n) for (size, label), n in counts.items()))
+    return tuple(sorted(((size, label, n) for (size, label), n in counts.items()), key=by_size))
 
 
 def _all_ready(split_model: Any, first_output: float) -> float | None:

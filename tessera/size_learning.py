@@ -13,9 +13,9 @@ from typing import Any, Protocol
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.config import CompileConfig, Size
-from tessera.learn import SizeLearner, SizeTally
-from tessera.piece import free_symbols
+from tessera.config import CompileConfig, Size, size_label, static_size
+from tessera.learn import Counted, SizeLearner, SizeTally
+from tessera.piece import free_symbols, shape_sources
 from tessera.pieces import Pieces
 from tessera.schedule import start_thread
 from tessera.split import SplitItem
@@ -46,16 +46,16 @@ class SizeLearning:
         self.owner = owner
         # What a learnt size compiles from (trace path only): each sized piece's work.
         self.sized: list[PieceWork] = []
-        self._one_size_memo: bool | None = None
+        self._learnable_memo: bool | None = None
         self.tally: SizeTally | None = None
         # What records the learnt sizes for the next process (set by the model's traces).
         self.learnt_sink: Callable[[Any], None] | None = None
         self.idle = threading.Event()  # clear while learnt sizes compile
         self.idle.set()
-        self._learn_queue: list[int] = []  # sizes learnt, waiting for the learning thread
+        self._learn_queue: list[Counted] = []  # sizes learnt, waiting for the learning thread
         self._learn_lock = threading.Lock()  # the queue, and a learnt size's swap in or out
 
-    def start(self, learnt: Sequence[int] = ()) -> None:
+    def start(self, learnt: Sequence[Counted] = ()) -> None:
         """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
         the hot ones (``learnt``: those an earlier process learnt, loaded)."""
         runner = next((r for r in self.owner.pieces.runners().values() if r.source), None)
@@ -79,10 +79,11 @@ class SizeLearning:
                     self.owner.prefix,
                     len(learner.learnt),
                 )
-            elif not self._one_size():
+            elif not self._learnable():
                 log.info(
-                    "%s: auto sizes: the pieces have more than one dynamic size and a learnt size "
-                    "specialises one, so none is learnt; mark the one dim that varies with dynamic_dims",
+                    "%s: auto sizes: the pieces do not share their dynamic sizes (or one cannot be "
+                    "read from a piece's inputs), so none is learnt; mark the dim that varies with "
+                    "dynamic_dims",
                     self.owner.prefix,
                 )
         self.tally = SizeTally(learner)
@@ -91,25 +92,30 @@ class SizeLearning:
             if piece.fn is runner:
                 piece.tally = self.tally
 
-    def _one_size(self) -> bool:
+    def _learnable(self) -> bool:
         """Whether static sizes can be compiled here: this process traced the pieces, and they
-        share one dynamic size (worked out once: the pieces are built before anything is served)."""
-        if self._one_size_memo is None:
+        share their dynamic sizes: one (a size is learnt), or several that every piece reads (a
+        shape is learnt: batch x length). Worked out once: the pieces are built before anything
+        is served."""
+        if self._learnable_memo is None:
             symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self.sized}
-            self._one_size_memo = len(symbols) == 1 and len(next(iter(symbols))) == 1
-        return self._one_size_memo
+            shared = len(symbols) == 1 and len(next(iter(symbols))) >= 1
+            if shared and len(next(iter(symbols))) > 1:
+                shared = all(shape_sources(work.fake_args) for work in self.sized)
+            self._learnable_memo = shared
+        return self._learnable_memo
 
     @property
-    def learnt_sizes(self) -> tuple[int, ...]:
+    def learnt_sizes(self) -> tuple[Counted, ...]:
         """The sizes learnt from traffic that serve now, in the order learnt."""
         learner = self.tally.learner if self.tally is not None else None
         return learner.learnt if learner is not None else ()
 
     def _may_learn(self) -> bool:
         # The trace's own sizes first: nothing is left for the background compile.
-        return not self.owner.jobs_left() and self._one_size()
+        return not self.owner.jobs_left() and self._learnable()
 
-    def _learn(self, size: int) -> None:
+    def _learn(self, size: Counted) -> None:
         """Queue ``size`` for the learning thread (started when none runs): it compiles every
         sized piece at that size and swaps them in (as a background compile does), then records
         the learnt sizes for the next process."""
@@ -132,19 +138,20 @@ class SizeLearning:
             if self._compile_learnt(size):
                 learner.look(decay=False)  # the next hot size now, not EVERY calls later
 
-    def _compile_learnt(self, size: int) -> bool:
-        """Compile and swap in one learnt size; whether it was."""
+    def _compile_learnt(self, size: Counted) -> bool:
+        """Compile and swap in one learnt size (or shape); whether it was."""
         assert self.tally is not None and self.tally.learner is not None
         learner = self.tally.learner
         start = time.perf_counter()
+        static = static_size(size)
         try:
             obtained = []
             with self.owner.state.applied():
                 for work in self.sized:
-                    item, key = work.item, self.owner.artifact_cache.content_key(work.content, size)
+                    item, key = work.item, self.owner.artifact_cache.content_key(work.content, static)
                     with COMPILE_LOCK:
                         outcome = self.owner.artifact_cache.get(
-                            item.graph, work.inputs(size), size, item.index, key
+                            item.graph, work.inputs(static), static, item.index, key
                         )
                     obtained.append((item, outcome))
             with COMPILE_LOCK:
@@ -153,13 +160,16 @@ class SizeLearning:
                 if size not in learner.learnt:  # retired while it compiled: the artifacts stay unused
                     return False
                 for item, outcome in obtained:  # every piece at once
-                    self.owner.add_artifact(item, size, outcome)
-                self.owner.pieces.add_capture_sizes([size])  # captured from the next call it pads
+                    self.owner.add_artifact(item, static, outcome)
+                if isinstance(static, int):
+                    self.owner.pieces.add_capture_sizes([static])  # captured from the next call it pads
             counters.bump("sizes_learnt")
             self.owner.phases["learn_sizes"] = (
                 self.owner.phases.get("learn_sizes", 0.0) + time.perf_counter() - start
             )
-            log.info("%s: size %d learnt in %.2fs", self.owner.prefix, size, time.perf_counter() - start)
+            log.info(
+                "%s: %s learnt in %.2fs", self.owner.prefix, size_label(static), time.perf_counter() - start
+            )
             if self.learnt_sink is not None:
                 try:
                     self.learnt_sink(self.owner)
@@ -174,21 +184,22 @@ class SizeLearning:
         except Exception as e:  # what serves keeps serving; the size is not tried again
             learner.refuse(size)
             log.warning(
-                "%s: compiling learnt size %d failed (%s: %s); the general artifact keeps serving it",
+                "%s: compiling learnt %s failed (%s: %s); the general artifact keeps serving it",
                 self.owner.prefix,
-                size,
+                size_label(static),
                 type(e).__name__,
                 e,
             )
             return False
 
-    def _retire(self, size: int) -> None:
+    def _retire(self, size: Counted) -> None:
         """A learnt size no longer hot: its artifact out of every piece (calls of that size go
         to the general artifact, or a range), and out of the record for the next process."""
         with self._learn_lock:
             for runner in self.owner.pieces.runners().values():
-                runner.drop(size)
-            self.owner.pieces.remove_capture_size(size)
+                runner.drop(static_size(size))
+            if isinstance(size, int):
+                self.owner.pieces.remove_capture_size(size)
         # Recorded for the next process by the learning thread, once the size that takes this
         # one's place is in (a retirement is always for a newcomer): never a write, or a remote
         # publish, on the serving call that made the look.

@@ -31,8 +31,9 @@ from tessera.cache.refusal import Refused
 from tessera.cache.remote import RemoteTier
 from tessera.call_check import CallSpec
 from tessera.compilers import Compiler, loads_without_graph, make_compiler
-from tessera.config import CompileConfig, size_label
+from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.errors import CompilerError, FallbackWarning
+from tessera.learn import Counted
 from tessera.piece import PieceRecord, PieceRunner
 from tessera.portable import capture_code, rebuild_call
 from tessera.split_model import SplitModel
@@ -171,7 +172,7 @@ def rebuild(
     entry_path: Path,
     traced_fn: types.FunctionType,
     keys: Sequence[str],
-    learnt: Sequence[int] = (),
+    learnt: Sequence[Counted] = (),
 ) -> Rebuilt | Refused:
     """A complete split_model rebuilt from the whole-model artifact in ``entry_path``, with the traces
     ``keys`` names that it holds and that bind here; or why not, without side effects on any
@@ -230,7 +231,7 @@ def rebuild(
 
 
 def _install_saved(
-    split_model: SplitModel, saved: ModelArtifact, learnt: Sequence[int] = ()
+    split_model: SplitModel, saved: ModelArtifact, learnt: Sequence[Counted] = ()
 ) -> Callable[..., Any] | Refused:
     """Runners, splitting pieces and the split module's forward from a whole-model artifact
     (and the ``learnt`` sizes it holds artifacts for); or why a piece does not load."""
@@ -240,7 +241,7 @@ def _install_saved(
     unpickled: dict[str, torch.fx.GraphModule] = {}
     needs_graph = not loads_without_graph(split_model.compiler)
     attributes: dict[str, Any] = {}
-    loaded_learnt: set[int] = set()
+    loaded_learnt: set[Counted] = set()
     splitting = {name for name, _ in saved.modules}
     names = sorted([*splitting, *(r.name for r in saved.pieces)], key=lambda n: int(n.rsplit("_", 1)[1]))
     split_model.pieces.place_names(names, splitting)
@@ -253,27 +254,41 @@ def _install_saved(
             if content not in unpickled:  # identical pieces share one graph
                 unpickled[content] = model_artifact.load_graph(graphs[content])
             graph = unpickled[content]
-        artifacts = {}
+        artifacts: dict[Size, Callable[..., Any]] = {}
         for size in (None, *record.sizes, *record.ranges):
             outcome = split_model.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
             if isinstance(outcome, Refused):
                 return Refused(f"{record.name} ({size_label(size)}): {outcome}")
             artifacts[size] = outcome.fn
             split_model.note_obtained(record.name, size, outcome)
-        for size in learnt if record.size_source is not None else ():
-            if size in artifacts or (
-                split_model.config.max_size is not None and size > split_model.config.max_size
+        for counted in learnt if record.size_source is not None else ():
+            static = static_size(counted)
+            if isinstance(static, Shape) != bool(record.shape_sources) or (
+                isinstance(static, Shape) and len(static.values) != len(record.shape_sources)
+            ):
+                continue  # a shape is learnt for the pieces with that many sizes, a size for the others
+            if static in artifacts or (
+                isinstance(static, int)
+                and split_model.config.max_size is not None
+                and static > split_model.config.max_size
             ):
                 continue
-            found = split_model.artifact_cache.load_only(graph, size, record.index)  # type: ignore[arg-type]
+            found = split_model.artifact_cache.load_only(graph, static, record.index)  # type: ignore[arg-type]
             if isinstance(found, Refused):  # not in this entry (yet): the general artifact serves it
-                log.debug("%s: learnt size %d not loaded (%s)", record.name, size, found)
+                log.debug("%s: learnt %s not loaded (%s)", record.name, size_label(static), found)
                 continue
-            artifacts[size] = found.fn
-            split_model.note_obtained(record.name, size, found)
-            loaded_learnt.add(size)
+            artifacts[static] = found.fn
+            split_model.note_obtained(record.name, static, found)
+            loaded_learnt.add(counted)
         attributes[record.name] = split_model.pieces.install_runner(
-            record, PieceRunner(record.name, artifacts, record.size_source, split_model.config.max_size)
+            record,
+            PieceRunner(
+                record.name,
+                artifacts,
+                record.size_source,
+                split_model.config.max_size,
+                shape_sources=record.shape_sources,
+            ),
         )
     loaded = time.perf_counter()
     split_model.phases["load_kernels"] = loaded - start
@@ -286,7 +301,7 @@ def _install_saved(
     forward = saved.split_module.build(attributes)
     split_model.split_forward = forward
     if split_model.config.auto_sizes and split_model.config.cudagraph_capture_sizes is None:
-        split_model.pieces.add_capture_sizes(sorted(loaded_learnt))
+        split_model.pieces.add_capture_sizes(sorted(s for s in loaded_learnt if isinstance(s, int)))
     split_model.learning.start(sorted(loaded_learnt, key=list(learnt).index))
     return forward
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.config import Size
+from tessera.config import Shape, Size
 from tessera.piece import specialize_inputs
 from tessera.split import SplitItem
 
@@ -28,7 +28,7 @@ class PieceWork:
     def inputs(self, size: Size) -> Callable[[], Sequence[Any]]:
         """The example inputs of a compile at ``size``, made when the compile needs them: a static
         size's specialised to it, the fake ones as traced otherwise."""
-        if isinstance(size, int):
+        if isinstance(size, int | Shape):
             return functools.partial(specialize_inputs, self.item.name, self.fake_args, self.real_args, size)
         return functools.partial(_as_is, self.fake_args)
 

@@ -2,9 +2,11 @@
 
 Usage: python -m tests.run_auto_sizes BACKEND TRAFFIC [HTML]
 BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones) or "none"
-(one call of a cold size). The model is the toy Llama (one layer on Inductor), parameters
-frozen, called in PyTorch's default state (grad enabled) from four threads; every output is
-compared with eager's in the calling thread (an exception fails the process). HTML: write the
+(one call of a cold size); "shapes" and "shapes-none" the same for a tiny BERT whose calls vary in
+batch and length (hot shapes among cold ones). The model is the toy Llama (one layer on Inductor)
+or the BERT, parameters frozen, called in PyTorch's default state (grad enabled) from four
+threads; every output is compared with eager's in the calling thread (an exception fails the
+process). HTML: write the
 model's report there as a picture. Prints JSON: the sizes learnt, the counters, the artifacts
 obtained by size, and the first call's report kind.
 """
@@ -15,6 +17,7 @@ import json
 import random
 import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -22,6 +25,7 @@ import tessera
 from tessera.models import toy_llama
 
 HOT = (1, 4, 6)  # the sizes the skewed traffic is made of, mostly
+HOT_SHAPES = ((2, 16), (4, 8))  # (batch, length): what the BERT's skewed traffic is made of, mostly
 THREADS = 4
 CALLS = 100  # per thread
 
@@ -32,30 +36,51 @@ def model_for(backend: str) -> torch.nn.Module:
     return toy_llama.build(num_layers=layers, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=64)
 
 
-def inputs(size: int, seed: int) -> tuple[torch.Tensor, ...]:
+def bert() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    return transformers.BertModel(config).eval().requires_grad_(False)
+
+
+def inputs(size: Any, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
+    if isinstance(size, tuple):  # (batch, length)
+        return (torch.randint(0, 64, size, generator=generator),)
     return (torch.randint(0, 64, (size,), generator=generator), torch.arange(size))
 
 
-def traffic(seed: int, calls: int) -> list[int]:
-    """Mostly the hot sizes (about 25% each), the rest spread over 2..40."""
+def traffic(seed: int, calls: int, shapes: bool) -> list[Any]:
+    """Mostly the hot sizes or shapes (about 25% or 37% each), the rest spread out."""
     rng = random.Random(seed)
+    if shapes:
+        cold = [(rng.randint(1, 5), rng.randint(3, 24)) for _ in range(calls)]
+        return [rng.choice(HOT_SHAPES) if rng.random() < 0.75 else c for c in cold]
     return [rng.choice(HOT) if rng.random() < 0.75 else rng.randint(2, 40) for _ in range(calls)]
+
+
+def same(out: Any, expected: Any) -> None:
+    if hasattr(out, "last_hidden_state"):
+        out, expected = out.last_hidden_state, expected.last_hidden_state
+    torch.testing.assert_close(out, expected)
 
 
 def main() -> None:
     backend, kind = sys.argv[1], sys.argv[2]
     html = sys.argv[3] if len(sys.argv) > 3 else None
-    model = model_for(backend)
+    shapes = kind.startswith("shapes")
+    model = bert() if shapes else model_for(backend)
     reference = model
     compiled = tessera.compile(model, backend=backend, compile_sizes="auto", prefix="auto")
     errors: list[BaseException] = []
 
     def serve(thread: int) -> None:
         try:
-            for i, size in enumerate(traffic(thread, CALLS if kind == "skewed" else 1)):
+            for i, size in enumerate(traffic(thread, 1 if kind.endswith("none") else CALLS, shapes)):
                 args = inputs(size, thread * 1000 + i)
-                torch.testing.assert_close(compiled(*args), reference(*args))
+                same(compiled(*args), reference(*args))
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
@@ -75,9 +100,9 @@ def main() -> None:
     report = compiled.report
     # After the compiles: each hot size is served by its static artifact now (a warm process: from
     # its first calls).
-    for size in HOT:
+    for size in HOT_SHAPES if shapes else HOT:
         args = inputs(size, 7)
-        torch.testing.assert_close(compiled(*args), reference(*args))
+        same(compiled(*args), reference(*args))
     if html is not None:
         from tessera.cli.picture import render_html
 
@@ -88,7 +113,7 @@ def main() -> None:
         json.dumps(
             {
                 "first_kind": first_kind,
-                "learnt": list(report.learnt_sizes),
+                "learnt": [list(s) if isinstance(s, tuple) else s for s in report.learnt_sizes],
                 "counters": tessera.counters.snapshot(),
                 "obtained": sorted({(a.size, a.source) for a in report.artifacts}),
                 "served_by": sorted(served),

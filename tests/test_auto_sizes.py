@@ -229,6 +229,25 @@ def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tm
     assert {"size 1", "size 4", "size 6"} <= set(warm["served_by"])  # from its first calls
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_defaults(tmp_path: Path):
+    """A BERT whose calls vary in batch and length, on the defaults (Inductor, background compile,
+    eager first), in two fresh processes: the first learns the hot shapes; the second loads them
+    and serves them from its first calls, compiling nothing."""
+    html = tmp_path / "report.html"
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}
+    cold = run_json("tests.run_auto_sizes", "inductor", "shapes", str(html), cache=tmp_path, **defaults)
+    assert sorted(map(sorted, cold["learnt"])) == [[2, 16], [4, 8]], cold["learnt"]
+    assert cold["counters"]["inductor_compiles"] > 0 and cold["counters"]["served_eagerly"] >= 1
+    assert sum(label.startswith("shape ") for label in cold["served_by"]) == 2, cold["served_by"]
+    assert "shape " in html.read_text(encoding="utf-8")
+    warm = run_json("tests.run_auto_sizes", "inductor", "shapes-none", cache=tmp_path, **defaults)
+    assert warm["first_kind"] == "warm" and sorted(map(sorted, warm["learnt"])) == [[2, 16], [4, 8]]
+    assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["graphs_traced"] == 0
+    assert sum(label.startswith("shape ") for label in warm["served_by"]) == 2, warm["served_by"]
+
+
 def test_report_html_from_the_command_line_draws_a_scripts_models(tmp_path: Path):
     script = tmp_path / "serve.py"
     script.write_text(
@@ -271,3 +290,64 @@ def test_the_picture_of_a_report_without_calls_says_so():
     }
     page = render_html([report])
     assert "No compile in this process." in page and "No call with a size counted yet." in page
+
+
+# -- batch x length ---------------------------------------------------------------------------------
+def _bert():
+    transformers = pytest.importorskip("transformers", reason="transformers is a dev dependency")
+    config = transformers.BertConfig(
+        vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    return transformers.BertModel(config).eval().requires_grad_(False)  # served: frozen, grad mode on
+
+
+def _bert_traffic(calls: int) -> list[tuple[int, int]]:
+    """Batch x length: two hot shapes (40% and 30% of the calls), the rest spread thin."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(calls):
+        pick = int(torch.randint(0, 10, (1,), generator=generator))
+        if pick < 4:
+            out.append((2, 16))
+        elif pick < 7:
+            out.append((4, 8))
+        else:
+            batch, length = (int(v) for v in torch.randint(1, 6, (2,), generator=generator))
+            out.append((batch, 3 * length + 1))
+    return out
+
+
+def test_pieces_with_batch_and_length_learn_the_hot_shapes_and_a_warm_process_loads_them():
+    model = _bert()
+    ids = {
+        shape: torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(7))
+        for shape in set(_bert_traffic(4 * learn.EVERY)) | {(3, 11), (1, 40)}
+    }
+
+    def serve(compiled, shapes, check_every: int = 8):
+        for i, shape in enumerate(shapes):
+            out = compiled(input_ids=ids[shape])  # grad enabled: PyTorch's default state
+            if i % check_every == 0:
+                torch.testing.assert_close(
+                    out.last_hidden_state, model(input_ids=ids[shape]).last_hidden_state
+                )
+
+    compiled = tessera.compile(model, backend="eager", compile_sizes="auto")
+    serve(compiled, _bert_traffic(4 * learn.EVERY))
+    assert compiled.wait_ready(120)
+    learnt = compiled.report.learnt_sizes
+    assert {tuple(sorted(s)) for s in learnt} == {(2, 16), (4, 8)}, learnt  # the hot shapes, no cold one
+    assert tessera.counters.snapshot()["sizes_learnt"] == 2
+    # Hot shapes now go to their own artifacts, every other shape to the general one: eager's
+    # numbers for each, learnt or not, including shapes never seen.
+    serve(compiled, [(2, 16), (4, 8), (3, 11), (1, 40)] * 2, check_every=1)
+    by_label = {label for size, label, _ in compiled.report.sizes_served if tuple(sorted(size)) == (2, 16)}
+    assert any(label.startswith("shape ") for label in by_label), by_label
+    # The next process (a second compile of the same model: the cache) loads the learnt shapes.
+    tessera.counters.reset()
+    again = tessera.compile(model, backend="eager", compile_sizes="auto")
+    serve(again, [(2, 16), (4, 8), (3, 11)], check_every=1)
+    assert again.warm_start is True and tessera.counters.snapshot()["eager_compiles"] == 0
+    assert {tuple(sorted(s)) for s in again.report.learnt_sizes} == {(2, 16), (4, 8)}
+    served = {label for size, label, _ in again.report.sizes_served if tuple(sorted(size)) == (4, 8)}
+    assert any(label.startswith("shape ") for label in served), served

@@ -19,6 +19,7 @@ from tessera.cache.blobstore import (
 )
 from tessera.cache.objectstore import LeasesApart, ObjectStore
 from tessera.cache.remote import RemoteTier, model_record
+from tessera.config import counted_of
 from tessera.errors import ConfigError
 from tessera.validation import OBJECT_STORE_SCHEMES, env_seconds
 
@@ -45,8 +46,8 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
         try:
             pointer.write_pointer(root, fingerprint, entry)
             learnt = body.get("learnt")
-            if isinstance(learnt, list) and all(isinstance(s, int) and s >= 1 for s in learnt):
-                pointer.write_learnt(root, fingerprint, entry, learnt)
+            if isinstance(learnt, list) and all(counted_of(s) is not None for s in learnt):
+                pointer.write_learnt(root, fingerprint, entry, [c for c in map(counted_of, learnt) if c])
             plan = pointer.read_plan_of(body)  # checked again where traces.py reads it
             if plan:
                 pointer.write_plan(root, fingerprint, plan)

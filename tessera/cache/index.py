@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import ast
 import pprint
+import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from tessera.config import Size, SizeRange
+from tessera.config import Shape, Size, SizeRange
 from tessera.validation import is_int
 
 VERSION = 2
 FILE = "index.py"  # its name in an entry's directory
 HEADER = "# tessera cache index: a Python literal, read with ast.literal_eval.\n"
 
-# How a size is written: "general", an int (one static size), or a (start, end) pair (a range).
+# How a size is written: "general", an int (one static size), a (start, end) pair (a range), or
+# "shape 4x128" (one static value per dynamic size).
 SizeKey = str | int | tuple[int, int | None]
+_SHAPE = re.compile(r"shape [1-9][0-9]*(x[1-9][0-9]*)+")
 IndexKey = tuple[SizeKey, int, str]
 
 
@@ -30,6 +33,8 @@ def size_key(size: Size) -> SizeKey:
         return "general"
     if isinstance(size, SizeRange):
         return (size.start, size.end)
+    if isinstance(size, Shape):
+        return f"shape {size}"
     return size
 
 
@@ -44,6 +49,8 @@ def artifact_label(key: IndexKey) -> str:
         label = f"range{size[0]}-{'max' if size[1] is None else size[1]}"
     elif isinstance(size, int):
         label = f"size{size}"
+    elif size.startswith("shape "):
+        label = f"shape{size.removeprefix('shape ')}"
     else:
         label = "general"
     return f"piece{index}_{label}_{compiler}"
@@ -157,6 +164,7 @@ def _check_key(key: Any) -> None:
     size, index, compiler = key
     size_ok = (
         size == "general"
+        or (isinstance(size, str) and _SHAPE.fullmatch(size) is not None)
         or is_int(size)
         or (
             isinstance(size, tuple)

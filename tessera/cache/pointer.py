@@ -13,6 +13,8 @@ from typing import Any
 
 from tessera.cache.entry import atomic_write, report_damage
 from tessera.cache.refusal import Refused
+from tessera.config import counted_of
+from tessera.learn import Counted
 
 WARM_DIR = "warm"
 
@@ -105,7 +107,7 @@ def read_plan_of(body: dict[str, Any]) -> dict[str, list[Any]]:
     return {str(k): list(v) for k, v in plan.items() if isinstance(v, list)}
 
 
-def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence[int]) -> None:
+def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence[Counted]) -> None:
     """Record the sizes learnt from traffic (compile_sizes="auto") for the trace in
     ``entry_path``, beside the traces the fingerprint leads to: the next process loads their
     artifacts at once. The last process to learn sets them (a fleet shares one record)."""
@@ -118,15 +120,15 @@ def write_learnt(root: Path, fingerprint: str, entry_path: Path, sizes: Sequence
         body = _read_body(path)
         if body.get("path") in PATHS:
             return  # a model on the guarded path keeps no whole-model artifact to load them with
-        learnt = _learnt_of(body)
-        learnt[relative] = [int(s) for s in sizes]
+        learnt: dict[str, list[Any]] = dict(_learnt_of(body))
+        learnt[relative] = [s if isinstance(s, int) else list(s) for s in sizes]
         new = {"entries": body.get("entries", []), "learnt": learnt}
         if isinstance(body.get("plan"), dict):
             new["plan"] = body["plan"]
         atomic_write(path, json.dumps(new, indent=1).encode())
 
 
-def read_learnt(root: Path, fingerprint: str) -> dict[Path, tuple[int, ...]]:
+def read_learnt(root: Path, fingerprint: str) -> dict[Path, tuple[Counted, ...]]:
     """The sizes learnt for each trace's entry of ``fingerprint`` (empty when none were)."""
     out = {}
     for relative, sizes in _learnt_of(_read_body(pointer_path(root, fingerprint))).items():
@@ -145,13 +147,14 @@ def _read_body(path: Path) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def _learnt_of(body: dict[str, Any]) -> dict[str, list[int]]:
-    """The well-formed part of a pointer's learnt sizes: entry -> sizes (positive integers)."""
+def _learnt_of(body: dict[str, Any]) -> dict[str, list[Counted]]:
+    """The well-formed part of a pointer's learnt sizes: entry -> sizes (positive integers, or
+    shapes: lists of them)."""
     learnt = body.get("learnt")
     if not isinstance(learnt, dict):
         return {}
     return {
-        str(entry): [s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s >= 1]
+        str(entry): [c for c in map(counted_of, sizes) if c is not None]
         for entry, sizes in learnt.items()
         if isinstance(sizes, list)
     }

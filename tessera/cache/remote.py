@@ -46,6 +46,7 @@ from tessera.cache.blobstore import (
 from tessera.cache.download import Downloaded, staged_blobs
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
+from tessera.learn import Counted
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ class RemoteTier:
         relative: str,
         key: str,
         prefix: str,
-        learnt: Sequence[int] = (),
+        learnt: Sequence[Counted] = (),
         plan: dict[str, list[Any]] | None = None,
     ) -> None:
         """The pointer from ``fingerprint`` to the entry, with its whole-model artifact, the sizes
@@ -296,7 +297,7 @@ class RemoteTier:
             return
         body: dict[str, Any] = {"entry": relative, "key": key, "prefix": prefix, "fingerprint": fingerprint}
         if learnt:
-            body["learnt"] = [int(s) for s in learnt]
+            body["learnt"] = [s if isinstance(s, int) else list(s) for s in learnt]
         if plan:
             body["plan"] = plan
         try:

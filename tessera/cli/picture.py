@@ -52,6 +52,8 @@ def kind_of(label: str, learnt: Sequence[int] = ()) -> str:
     if label.startswith("size"):  # "size 8", or "size 8 (graph)": a CUDA graph replay of it
         size = label.split()[1]
         return "learnt size" if size.isdigit() and int(size) in learnt else "size"
+    if label.startswith("shape"):  # "shape 4x128": only ever learnt from traffic
+        return "learnt size"
     return "general"
 
 
@@ -156,12 +158,16 @@ def _timeline(spans: Sequence[dict[str, Any]], learnt: Sequence[int]) -> str:
     return "\n".join(parts) + note
 
 
+def _size_name(size: tuple[int, ...]) -> str:
+    return f"size {size[0]}" if len(size) == 1 else f"shape {'x'.join(map(str, size))}"
+
+
 def _histogram(served: Sequence[Sequence[Any]], learnt: Sequence[int]) -> str:
     if not served:
         return "<p>No call with a size counted yet.</p>"
-    by_size: dict[int, dict[str, int]] = {}
+    by_size: dict[tuple[int, ...], dict[str, int]] = {}
     for size, label, calls in served:
-        kinds = by_size.setdefault(int(size), {})
+        kinds = by_size.setdefault(tuple(size) if isinstance(size, list | tuple) else (int(size),), {})
         kind = kind_of(str(label), learnt)
         kinds[kind] = kinds.get(kind, 0) + int(calls)
     sizes = sorted(by_size)
@@ -187,14 +193,15 @@ def _histogram(served: Sequence[Sequence[Any]], learnt: Sequence[int]) -> str:
                 continue
             h = calls / ticks[-1] * plot
             y -= h
-            tip = html.escape(f"size {size}: {calls} call(s) served by {KIND_NAMES[kind]}")
+            tip = html.escape(f"{_size_name(size)}: {calls} call(s) served by {KIND_NAMES[kind]}")
             parts.append(
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar:.1f}" height="{h:.1f}" fill="{colour}">'
                 f"<title>{tip}</title></rect>"
             )
         if i % every == 0:
             parts.append(
-                f'<text x="{x + bar / 2:.1f}" y="{20 + plot + 14}" text-anchor="middle">{size}</text>'
+                f'<text x="{x + bar / 2:.1f}" y="{20 + plot + 14}" text-anchor="middle">'
+                f"{'x'.join(map(str, size))}</text>"
             )
     parts.append(
         f'<text x="{(WIDTH + LEFT) / 2:.0f}" y="{height - 8}" text-anchor="middle">runtime size</text>'
