@@ -52,11 +52,14 @@ def member(out: str, barrier: str | None, distributed: bool) -> None:
             time.sleep(0.01)
         start = time.time()
     model = toy_llama.build(num_layers=LAYERS, hidden_size=WIDTH, intermediate_size=2 * WIDTH)
-    compiled = tessera.compile(model, backend="inductor")
+    # FLEET_BENCH_EAGER: the baseline, the model itself (eager's first output, same start).
+    eager = os.environ.get("FLEET_BENCH_EAGER") == "1"
+    compiled = model if eager else tessera.compile(model, backend="inductor")
     with torch.no_grad():
         out_tensor = compiled(*toy_llama.example_inputs(16))
     first = time.time() - start
-    compiled.wait_ready()  # background compiles (serving as traced meanwhile) counted too
+    if isinstance(compiled, tessera.CompiledModel):
+        compiled.wait_ready()  # background compiles (serving as traced meanwhile) counted too
     ready = time.time() - start
     with torch.no_grad():
         correct = bool(torch.allclose(out_tensor, model(*toy_llama.example_inputs(16)), atol=1e-4, rtol=1e-4))
@@ -98,7 +101,7 @@ def _summary(out: Path) -> dict[str, Any]:
     }
 
 
-def replicas(scratch: Path, count: int, remote: str | None) -> dict[str, Any]:
+def replicas(scratch: Path, count: int, remote: str | None, eager: bool = False) -> dict[str, Any]:
     out, barrier = scratch / "out", scratch / "barrier"
     out.mkdir()
     barrier.mkdir()
@@ -109,6 +112,8 @@ def replicas(scratch: Path, count: int, remote: str | None) -> dict[str, Any]:
         env.pop("TESSERA_CACHE_REMOTE", None)
         if remote:
             env["TESSERA_CACHE_REMOTE"] = remote
+        if eager:
+            env["FLEET_BENCH_EAGER"] = "1"
         cmd = [
             sys.executable,
             "-m",

@@ -9,7 +9,9 @@ Inductor cache (a fresh node), the 4-layer width-128 toy Llama on Inductor:
 - ``warm_replica``: one more, after them;
 - ``store_hanging``: one more while the store accepts connections and answers nothing (the
   server stopped with SIGSTOP): the fault budget, then a local compile;
-- ``without_remote``: N replicas with no remote tier (the baseline: each compiles everything).
+- ``without_remote``: N replicas with no remote tier (the baseline: each compiles everything);
+- ``eager_fleet``: N processes of the model itself, started together (eager's first output, the
+  baseline of ``first_output_max_over_eager``).
 
 For each replica: the store requests it made (all, and PUTs), the blob bytes it read and wrote,
 its Inductor compiles, its seconds to first output and to ready (every compile done: without a
@@ -75,6 +77,7 @@ def _per_replica(out: Path) -> list[dict[str, Any]]:
                 "bytes_read": c["remote_bytes_read"],
                 "bytes_written": c["remote_bytes_written"],
                 "inductor_compiles": c["inductor_compiles"],
+                "served_eagerly": c["served_eagerly"],
                 "first_output_seconds": round(report["first_output_seconds"], 2),
                 "ready_seconds": round(report["ready_seconds"], 2),
                 "correct": report["correct"],
@@ -83,10 +86,10 @@ def _per_replica(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _run(scratch: Path, name: str, count: int, remote: str | None) -> dict[str, Any]:
+def _run(scratch: Path, name: str, count: int, remote: str | None, eager: bool = False) -> dict[str, Any]:
     where = scratch / name
     where.mkdir()
-    summary = replicas(where, count, remote)
+    summary = replicas(where, count, remote, eager)
     rows = _per_replica(where / "out")
     summary["replicas"] = rows
     if remote:
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(KEYS, AWS_ENDPOINT_URL=endpoint)
         url = f"s3://{BUCKET}/fleet"
         try:
+            # Eager's first output with as many processes starting at once on this machine: the
+            # baseline each replica's first output is compared with.
+            result["eager_fleet"] = _run(scratch, "eager_fleet", args.replicas, None, eager=True)
             result["cold_fleet"] = _run(scratch, "cold_fleet", args.replicas, url)
             result["warm_replica"] = _run(scratch, "warm_replica", 1, url)
             server.send_signal(signal.SIGSTOP)
@@ -125,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                 server.send_signal(signal.SIGCONT)
             if not args.no_baseline:
                 result["without_remote"] = _run(scratch, "without_remote", args.replicas, None)
+            eager = result["eager_fleet"]["first_output_median"]
+            for run in ("cold_fleet", "warm_replica", "without_remote"):
+                if run in result:
+                    firsts = [r["first_output_seconds"] for r in result[run]["replicas"]]
+                    result[run]["first_output_max_over_eager"] = round(max(firsts) / eager, 3)
         finally:
             server.terminate()
             server.wait(timeout=30)
