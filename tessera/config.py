@@ -70,7 +70,11 @@ def counted_of(value: Any) -> Counted | None:
     None when it is neither."""
     if isinstance(value, int) and not isinstance(value, bool):
         return value if value >= 1 else None
-    if isinstance(value, list | tuple) and len(value) >= 2 and all(counted_of(v) is not None for v in value):
+    if (
+        isinstance(value, list | tuple)
+        and len(value) >= 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+    ):
         return tuple(value)
     return None
 

@@ -94,6 +94,11 @@ class SizeLearner:
         window[size] = window.get(size, 0) + 1
         self._calls += 1
         if self._calls % EVERY == 0:
+            # The windows turn here, every EVERY calls, whether or not the look below runs (it
+            # skips when another is under way).
+            self._window = {}
+            self._confirmed = self._previous & frozenset(window)
+            self._previous = frozenset(window)
             self.look()
 
     def shares(self) -> dict[Counted, float]:
@@ -111,9 +116,6 @@ class SizeLearner:
             shares = self.shares()
             if decay:
                 self._recent = {s: c * DECAY for s, c in self._recent.items() if c * DECAY >= 0.5}
-                window, self._window = self._window, {}
-                self._confirmed = self._previous & frozenset(window)
-                self._previous = frozenset(window)
             if not self._ready():
                 return
             hot = sorted(

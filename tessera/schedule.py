@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tessera import _compat
 from tessera.cache.index import index_key
+from tessera.cache.remote import FleetWaitAbandoned, RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.compile_pool import WorkerFanOut
 from tessera.compile_state import COMPILE_LOCK, CompileState
@@ -28,7 +29,6 @@ from tessera.work import Job, general_first
 
 if TYPE_CHECKING:
     from tessera.artifact_cache import ArtifactCache, CompileOutcome
-    from tessera.cache.remote import RemoteTier
     from tessera.compile_pool import CompilePool
     from tessera.compilers import Compiler
     from tessera.progress import CompileProgress
@@ -162,6 +162,8 @@ class Background:
                 self.state = BackgroundState.DONE
                 if then is not None:
                     then()
+        except FleetWaitAbandoned:  # exiting while another replica compiles: nothing to do here
+            self.state = BackgroundState.DONE
         except Exception as e:  # what serves keeps serving: said once, and in the report
             self.failure = f"{type(e).__name__}: {e}"
             self.state = BackgroundState.FAILED

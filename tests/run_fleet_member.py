@@ -57,6 +57,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--barrier")
     parser.add_argument("--hold")
+    parser.add_argument("--exit-early", action="store_true", help="exit once a trace serves")
     parser.add_argument("--distributed", action="store_true")
     parser.add_argument("--rank-width", action="store_true")
     args = parser.parse_args()
@@ -110,6 +111,8 @@ def main() -> int:
     }
     Path(args.out, "early").mkdir(exist_ok=True)
     Path(args.out, "early", f"{name}.json").write_text(json.dumps(early))
+    if args.exit_early:  # a short-lived process: exits while the fleet may still be compiling
+        return 0
     compiled.wait_ready()  # the counters below: every compile or load done
     report = {
         "counters": tessera.counters.snapshot(),

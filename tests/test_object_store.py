@@ -410,3 +410,26 @@ def test_a_replica_serves_as_traced_while_the_lease_holder_compiles(tmp_path, s3
     results = {r["counters"]["inductor_compiles"] for r in results_in(out)}
     assert results == {0, 3}, results  # the holder compiled the three pieces; the second, nothing
     assert all(r["matched"] for r in results_in(out))
+
+
+@pytest.mark.inductor
+def test_a_replica_exiting_while_the_lease_holder_compiles_does_not_wait_for_it(tmp_path, s3_server):
+    """A short-lived process (a script, a health check) that leaves while another replica holds
+    the lease exits at once: it would wait only to load what it never runs."""
+    out, gate = tmp_path / "out", tmp_path / "gate"
+    out.mkdir()
+    gate.mkdir()
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}
+    holder = member(out, tmp_path / "a", s3_server.url, "--hold", str(gate), **defaults)
+    until((gate / "holder").exists, [holder], "the first replica holds the lease in its compile")
+    leaving = member(out, tmp_path / "b", s3_server.url, "--exit-early", **defaults)
+    log = Stderr(leaving)
+    text = log.finish(timeout=300)  # it exits while the holder is held: no wait for the release
+    assert not (gate / "release").exists() and holder.poll() is None
+    assert "not waiting for the fleet's compile" in text or "another process is compiling" not in text
+    early = json.loads((out / "early" / f"replica-{leaving.pid}.json").read_text())
+    assert early["matched"] and early["counters"]["inductor_compiles"] == 0
+    (gate / "release").touch()
+    wait_all([holder])
+    (result,) = results_in(out)
+    assert result["matched"] and result["counters"]["inductor_compiles"] == 3

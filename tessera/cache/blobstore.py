@@ -70,6 +70,10 @@ class BlobStore(Protocol):
         """Later operations give up after ``seconds`` (what is left of the fault budget)."""
 
 
+class _Gone(Exception):
+    """A blob evicted while it was read in ranges."""
+
+
 class RedisStore:
     """``BlobStore`` on Redis (the ``redis`` client, ``pip install tessera[remote]``)."""
 
@@ -130,9 +134,16 @@ class RedisStore:
             # Ranges of a blob, never replaced once written (named by its content).
             for start in range(0, length, CHUNK_BYTES):
                 self._count(False)
-                yield self._client.getrange(key, start, min(start + CHUNK_BYTES, length) - 1)
+                end = min(start + CHUNK_BYTES, length)
+                chunk = self._client.getrange(key, start, end - 1)
+                if len(chunk) != end - start:  # evicted meanwhile: a miss, not an altered blob
+                    raise _Gone
+                yield chunk
 
-        return write_stream(target, chunks())
+        try:
+            return write_stream(target, chunks())
+        except _Gone:
+            return None
 
     def put(self, key: str, value: bytes) -> None:
         self._count(True)
@@ -284,7 +295,7 @@ class FaultBudget:
 
         try:
             return self._retry.call_with_retry(attempt, failed)
-        except BaseException:
+        except self._store.errors:  # the last attempt was lost to the store too
             began[0] = time.monotonic()
             raise
         finally:

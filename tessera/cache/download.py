@@ -47,7 +47,7 @@ def write_stream(target: Path, chunks: Iterable[bytes]) -> Downloaded:
     size = 0
     with _local():
         f = open(target, "wb")  # noqa: SIM115 (closed below, its faults told from the store's)
-    with f:
+    try:
         for chunk in chunks:  # the store's faults pass as they are
             digest.update(chunk)
             with _local():
@@ -56,6 +56,11 @@ def write_stream(target: Path, chunks: Iterable[bytes]) -> Downloaded:
         with _local():
             f.flush()
             os.fsync(f.fileno())
+            f.close()  # a network filesystem may report a failed write only here
+    finally:
+        if not f.closed:
+            with contextlib.suppress(OSError):
+                f.close()
     return Downloaded(digest.hexdigest(), size)
 
 
@@ -111,8 +116,19 @@ def staged_blobs(entry: Path, wanted: dict[str, str], fetch: Fetch) -> Iterator[
             threads = min(FETCH_THREADS, len(wanted))
             with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tessera-fetch") as pool:
                 futures = {pool.submit(_one, entry / name, sha, fetch): name for name, sha in wanted.items()}
-                for future in concurrent.futures.as_completed(futures):
-                    _note(staging, futures[future], wanted[futures[future]], future.result())
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        _note(staging, futures[future], wanted[futures[future]], future.result())
+                except BaseException:
+                    # Every fetch ends before the pool does: the files of those not noted go too.
+                    concurrent.futures.wait(futures)
+                    for future in futures:
+                        if not future.cancelled() and future.exception() is None:
+                            temp, _ = future.result()
+                            if temp is not None:
+                                with contextlib.suppress(OSError):
+                                    temp.unlink()
+                    raise
         yield staging
     finally:
         staging.discard()

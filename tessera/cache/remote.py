@@ -32,7 +32,7 @@ from typing import Any
 
 import filelock
 
-from tessera import counters
+from tessera import _compat, counters
 from tessera.cache import trust
 from tessera.cache.blobstore import (
     NAMESPACE,
@@ -55,6 +55,11 @@ FORMAT = 1
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # A waiter's polls of the store: the first after 0.2 s, then 1.5 times longer each, up to 2 s.
 _FIRST_POLL, _LAST_POLL = 0.2, 2.0
+
+
+class FleetWaitAbandoned(Exception):
+    """A process exiting stopped waiting for another replica's compile (nothing is compiled or
+    loaded for it here; the lease holder publishes it for the next process)."""
 
 
 class RemoteTier:
@@ -370,6 +375,11 @@ class RemoteTier:
             if self.fetch(entry, key, prefix, needed):
                 yield False
                 return
+            if waiting and _compat.interpreter_exiting():
+                # A process on its way out would wait (up to the whole wait) only to load what it
+                # will never run: the holder publishes it for the next process all the same.
+                log.info("exiting: not waiting for the fleet's compile of %s/%s", key[:10], prefix)
+                raise FleetWaitAbandoned(f"{key[:10]}/{prefix}")
             if time.monotonic() > deadline:
                 log.warning(
                     "waited %.0fs for another process to compile %s/%s; compiling here",
