@@ -109,11 +109,12 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float = 900) -> None:
 
 
 def until(done, procs: list[subprocess.Popen[str]], what: str, timeout: float = 300) -> None:
-    """Poll ``done()`` until it holds; fail naming ``what`` if a replica exits or time runs out."""
+    """Poll ``done()`` until it holds; fail naming ``what`` if a replica fails or time runs out (a
+    replica that exits cleanly has done its part: under load, one may finish before the others)."""
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        assert all(p.poll() is None for p in procs), f"a replica exited before {what}"
+        assert all(p.poll() in (None, 0) for p in procs), f"a replica failed before {what}"
         time.sleep(0.02)
 
 
