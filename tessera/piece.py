@@ -256,10 +256,6 @@ class PieceRunner:
         """The static sizes this piece has an artifact for."""
         return tuple(sorted(self._exact))
 
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The shapes (one value per dynamic size) this piece has an artifact for."""
-        return tuple(sorted(self._shapes))
-
     def _lookup(self, size: int) -> _Artifact:
         if size < 0 or (self.max_size is not None and size > self.max_size):
             raise SizeNotCompiledError(self._uncovered_message(size))
