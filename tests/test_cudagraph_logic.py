@@ -106,6 +106,7 @@ def test_compile_sizes_must_be_capture_sizes():
 
 def test_cudagraph_mode_without_cuda_warns_once_and_runs_without_graphs(caplog, monkeypatch):
     monkeypatch.setattr(cudagraph, "_warned", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine runs this test too
     model = toy_llama.build(num_layers=1)
     with caplog.at_level(logging.WARNING, logger="tessera.cudagraph"):
         for _ in range(2):
@@ -143,3 +144,29 @@ def test_decode_model_under_stand_in_graphs_matches_eager(mode, monkeypatch):
     assert tessera.counters.snapshot()["cudagraphs_captured"] == compiled_pieces * len(capture_sizes)
     assert graphs.firsts.count(True) == 1  # gc/empty_cache kept only for the very first capture
     assert all(p.cudagraph_sizes == tuple(capture_sizes) for p in compiled.pieces if not p.is_splitting)
+
+
+@pytest.mark.inductor
+def test_defaults_serve_eagerly_then_capture_the_compiled_pieces_under_stand_in_graphs(monkeypatch):
+    """The defaults (Inductor, background compile, eager first) with CUDA graphs on: the first
+    calls are eager's while the trace and the compile run beside them, then the compiled pieces
+    are captured once per capture size in use; every output equals eager's."""
+    monkeypatch.delenv("TESSERA_BACKGROUND_COMPILE")  # the suite's choice (conftest.py), not a default
+    graphs = StandInGraphs()
+    monkeypatch.setattr(pieces_module, "cuda_graphs_available", lambda mode: True)
+    monkeypatch.setattr(pieces_module, "CUDAGraphPool", lambda: graphs)
+    model = toy_llama.build_decode(num_layers=2, max_batch=8, max_len=64)
+    reference = copy.deepcopy(model)
+    compiled = tessera.compile(model, cudagraph_mode="piecewise", cudagraph_capture_sizes=[1, 2, 4, 8])
+    generator = torch.Generator().manual_seed(0)
+    for step in range(20):
+        if step == 4:
+            assert compiled.wait_ready(300)
+        batch = [8, 3, 5, 1][step % 4]  # 3 pads to 4, 5 to 8
+        ids = torch.randint(0, 256, (batch,), generator=generator)
+        pos = torch.full((batch,), step)
+        torch.testing.assert_close(compiled(ids, pos), reference(ids, pos))  # grad enabled
+    counts = tessera.counters.snapshot()
+    assert counts["served_eagerly"] == 4
+    compiled_pieces = sum(not p.is_splitting for p in compiled.pieces)
+    assert counts["cudagraphs_captured"] == compiled_pieces * 3  # sizes 8, 4 and 1

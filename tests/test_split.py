@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import tessera
+from tessera import _compat
 from tessera.split import split_graph
 from tests.conftest import silly_model
 
@@ -117,7 +118,11 @@ def test_slices_after_a_cut_of_a_tensor_made_before_it_split_in_a_graph_with_aut
     compiled = tessera.compile(
         masked, backend="eager", splitting_ops=["silly::attention"], dynamic_dims={"x": 0, "past": 0}
     )
-    with tessera.counters.expect(graphs_traced=1, pieces=5):
+    # torch 2.11: the size-oblivious trace fails a runtime assertion (Eq(s, u0) of the slice) when
+    # it runs, and the call is traced again with sizes >= 2 (traces.py); torch 2.13 on traces it once.
+    # (2.12 was not run.)
+    traces = 2 if _compat.torch_release() <= (2, 11) else 1
+    with tessera.counters.expect(graphs_traced=traces, pieces=5 * traces):
         for n in (4, 6):
             x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n))
             past = torch.randn(n + 3, 8)

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import tessera
+from tessera import _compat
 from tests.child import run_json
+
+# torch 2.11's guards on a convolution do not cover a batch of 1 with the trace of 8 and 16 rows:
+# one more trace (1 row) there, one more refusal with max_traces=1. torch 2.13 on: 2 traces. (2.12
+# was not run.)
+TORCH_2_11 = _compat.torch_release() <= (2, 11)
 
 
 def test_calls_unlike_the_first_are_traced_again_and_the_next_process_traces_nothing(tmp_path: Path):
@@ -23,12 +29,13 @@ def test_calls_unlike_the_first_are_traced_again_and_the_next_process_traces_not
         "dtype_and_rank": 3,
         "keyword_later": 2,
         "train_after_eval": 2,  # model.training read by the trace
-        "conv_batches": 2,  # a convolution's bound on the batch (n <= 15), then n >= 16
+        "conv_batches": 3 if TORCH_2_11 else 2,  # a convolution's bound on the batch (n <= 15), then n >= 16
         "toy_llama": 1,  # 1, 2, 7 and 33 tokens: the model does not treat size 1 apart
     }
     assert "scale" in first["flag"]["reasons"][1] and "dtype" in first["dtype_and_rank"]["reasons"][1]
-    # The conv net's two traces have one graph: the second shares the first's pieces.
-    assert first["conv_batches"]["graphs_traced"] == 1
+    # The conv net's two traces have one graph: the second shares the first's pieces (2.11's third,
+    # for 1 row, has a graph of its own: the size is static there).
+    assert first["conv_batches"]["graphs_traced"] == (2 if TORCH_2_11 else 1)
     second = run_json("tests.run_traces", "eager", cache=tmp_path)
     for name, case in second.items():
         assert case["graphs_traced"] == 0, name
@@ -43,7 +50,7 @@ def test_max_traces_1_refuses_every_call_the_first_trace_does_not_cover(tmp_path
         "dtype_and_rank": [1, 2],
         "keyword_later": [1],
         "train_after_eval": [1],
-        "conv_batches": [1, 2],  # 16 and 32 rows
+        "conv_batches": [1, 2, 3] if TORCH_2_11 else [1, 2],  # 16 and 32 rows (and 1 on 2.11)
         "toy_llama": [],
     }
 
