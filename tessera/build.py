@@ -46,7 +46,9 @@ from tessera.piece import (
     dynamic_inputs,
     find_size_source,
     shape_sources,
+    size_symbols,
 )
+from tessera.piece_inputs import saved_inputs
 from tessera.progress import CompileProgress, Timing
 from tessera.split import (
     SplitItem,
@@ -277,6 +279,9 @@ def _build(
         dynamic=dynamic_inputs(fake_args, outputs),
         partitions=partitions_of(split_model.compiler, artifacts.get(None)),
         shape_sources=shapes,
+        inputs=saved_inputs(fake_args, size_symbols(fake_args))
+        if source is not None and config.auto_sizes
+        else None,
     )
     runner = PieceRunner(
         item.name, artifacts, source, config.max_size, traced_general=not now, shape_sources=shapes

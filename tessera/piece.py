@@ -19,6 +19,7 @@ from tessera._compat import is_constant_symint, sym_expr
 from tessera.config import TRACED_LABEL, Shape, Size, SizeRange, size_label
 from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
+from tessera.piece_inputs import SavedInputs
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class PieceRecord:
     # Where each of the piece's dynamic sizes is read, in the order of a Shape's values, when it
     # has several (batch x length): what a learnt shape dispatches on. Empty: one size or none.
     shape_sources: tuple[SizeSource, ...] = ()
+    # Its inputs as traced (auto sizes): what a process that loads the piece compiles a size it
+    # learns from. None: not saved (a piece without a size, or auto sizes off).
+    inputs: SavedInputs | None = None
 
     @property
     def artifacts(self) -> tuple[str, ...]:

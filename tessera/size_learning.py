@@ -4,18 +4,21 @@ in every sized piece and swaps it in, or takes a retired one out (the mechanism)
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.config import CompileConfig, Size, size_label, static_size
+from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.learn import Counted, SizeLearner, SizeTally
-from tessera.piece import free_symbols, shape_sources
+from tessera.piece import PieceRecord, free_symbols, shape_sources
+from tessera.piece_inputs import inputs_at
 from tessera.pieces import Pieces
 from tessera.schedule import start_thread
 from tessera.split import SplitItem
@@ -39,13 +42,37 @@ class LearningOwner(Protocol):
     def add_artifact(self, item: SplitItem, size: Size, outcome: CompileOutcome) -> None: ...
 
 
+@dataclass
+class LoadedWork:
+    """What compiling a loaded piece at a learnt size needs (warm.py): its record (with its inputs
+    as traced), its content hash and its graph as saved, unpickled at the first learn."""
+
+    record: PieceRecord
+    content: str
+    graph_blob: bytes
+    _item: SplitItem | None = None
+
+    def item(self) -> SplitItem:
+        if self._item is None:
+            from tessera.cache.artifact import load_graph
+
+            self._item = SplitItem(self.record.name, self.record.index, False, load_graph(self.graph_blob))
+        return self._item
+
+    def inputs(self, size: int | Shape) -> Callable[[], Sequence[Any]]:
+        assert self.record.inputs is not None, "a loaded piece learns from its saved inputs"
+        return functools.partial(inputs_at, self.record.name, self.record.inputs, size)
+
+
 class SizeLearning:
     """The sizes one model learns from its traffic (``compile_sizes="auto"``), or only counts."""
 
     def __init__(self, owner: LearningOwner) -> None:
         self.owner = owner
-        # What a learnt size compiles from (trace path only): each sized piece's work.
+        # What a learnt size compiles from: each sized piece's work (a traced model), or its
+        # graph and inputs as saved (a loaded one: warm.py).
         self.sized: list[PieceWork] = []
+        self.loaded: list[LoadedWork] = []
         self._learnable_memo: bool | None = None
         self.tally: SizeTally | None = None
         # What records the learnt sizes for the next process (set by the model's traces).
@@ -72,10 +99,11 @@ class SizeLearning:
                 self._retire,
                 self._may_learn,
             )
-            if not self.sized:
+            if not self.sized and not self.loaded:
                 log.info(
-                    "%s: auto sizes: the pieces were loaded, not traced, so this process serves the %d "
-                    "learnt size(s) it loaded and learns none (a process that traces the model does)",
+                    "%s: auto sizes: the pieces were loaded without their inputs as traced (saved "
+                    "since this version), so this process serves the %d learnt size(s) it loaded "
+                    "and learns none (a process that traces the model does)",
                     self.owner.prefix,
                     len(learner.learnt),
                 )
@@ -99,9 +127,12 @@ class SizeLearning:
         is served."""
         if self._learnable_memo is None:
             symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self.sized}
+            symbols |= {frozenset(w.record.inputs.symbols) for w in self.loaded if w.record.inputs}
             shared = len(symbols) == 1 and len(next(iter(symbols))) >= 1
             if shared and len(next(iter(symbols))) > 1:
-                shared = all(shape_sources(work.fake_args) for work in self.sized)
+                shared = all(shape_sources(work.fake_args) for work in self.sized) and all(
+                    w.record.shape_sources for w in self.loaded
+                )
             self._learnable_memo = shared
         return self._learnable_memo
 
@@ -147,12 +178,10 @@ class SizeLearning:
         try:
             obtained = []
             with self.owner.state.applied():
-                for work in self.sized:
-                    item, key = work.item, self.owner.artifact_cache.content_key(work.content, static)
+                for item, content, inputs in self._works(static):
+                    key = self.owner.artifact_cache.content_key(content, static)
                     with COMPILE_LOCK:
-                        outcome = self.owner.artifact_cache.get(
-                            item.graph, work.inputs(static), static, item.index, key
-                        )
+                        outcome = self.owner.artifact_cache.get(item.graph, inputs, static, item.index, key)
                     obtained.append((item, outcome))
             with COMPILE_LOCK:
                 self.owner.artifact_cache.flush()
@@ -191,6 +220,13 @@ class SizeLearning:
                 e,
             )
             return False
+
+    def _works(self, size: int | Shape) -> Iterator[tuple[SplitItem, str, Callable[[], Sequence[Any]]]]:
+        """Each sized piece to compile at ``size``: its item, content hash and example inputs."""
+        for work in self.sized:
+            yield work.item, work.content, work.inputs(size)
+        for loaded in self.loaded:
+            yield loaded.item(), loaded.content, loaded.inputs(size)
 
     def _retire(self, size: Counted) -> None:
         """A learnt size no longer hot: its artifact out of every piece (calls of that size go

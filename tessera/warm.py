@@ -36,6 +36,7 @@ from tessera.errors import CompilerError, FallbackWarning
 from tessera.learn import Counted
 from tessera.piece import PieceRecord, PieceRunner
 from tessera.portable import capture_code, rebuild_call
+from tessera.size_learning import LoadedWork
 from tessera.split_model import SplitModel
 
 log = logging.getLogger(__name__)
@@ -280,6 +281,10 @@ def _install_saved(
             artifacts[static] = found.fn
             split_model.note_obtained(record.name, static, found)
             loaded_learnt.add(counted)
+        content = graph_of.get(record.name)
+        if split_model.config.auto_sizes and record.inputs is not None and content in graphs:
+            # What a size this process learns compiles from (the graph unpickled only then).
+            split_model.learning.loaded.append(LoadedWork(record, content, graphs[content]))
         attributes[record.name] = split_model.pieces.install_runner(
             record,
             PieceRunner(
@@ -342,9 +347,11 @@ def save_artifact(
             [(p.name, p.layout) for p in pieces if p.is_splitting],
             split_model.sources,
             None
-            if loads_without_graph(split_model.compiler)
+            if loads_without_graph(split_model.compiler) and not split_model.config.auto_sizes
             else {p.name: p.content or "" for p in pieces if not p.is_splitting},
             spec,
+            # Kept for the sizes a warm process learns (auto sizes) only: as Inductor is given them.
+            laid_out=loads_without_graph(split_model.compiler),
         )
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         split_model.artifact_fate = _not_written(str(e))

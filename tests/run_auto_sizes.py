@@ -1,8 +1,9 @@
 """Subprocess helper: sizes learnt from traffic (compile_sizes="auto"), as a service calls.
 
 Usage: python -m tests.run_auto_sizes BACKEND TRAFFIC [HTML]
-BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones) or "none"
-(one call of a cold size); "shapes" and "shapes-none" the same for a tiny BERT whose calls vary in
+BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones), "moved" (the
+same with one more hot size: what a warm process learns on top) or "none" (one call of a cold
+size); "shapes", "shapes-moved" and "shapes-none" the same for a tiny BERT whose calls vary in
 batch and length (hot shapes among cold ones). The model is the toy Llama (one layer on Inductor)
 or the BERT, parameters frozen, called in PyTorch's default state (grad enabled) from four
 threads; every output is compared with eager's in the calling thread (an exception fails the
@@ -26,6 +27,8 @@ from tessera.models import toy_llama
 
 HOT = (1, 4, 6)  # the sizes the skewed traffic is made of, mostly
 HOT_SHAPES = ((2, 16), (4, 8))  # (batch, length): what the BERT's skewed traffic is made of, mostly
+MOVED = 9  # the hot size (or shape) the "moved" traffic adds
+MOVED_SHAPE = (3, 6)
 THREADS = 4
 CALLS = 100  # per thread
 
@@ -52,13 +55,21 @@ def inputs(size: Any, seed: int) -> tuple[torch.Tensor, ...]:
     return (torch.randint(0, 64, (size,), generator=generator), torch.arange(size))
 
 
-def traffic(seed: int, calls: int, shapes: bool) -> list[Any]:
+def hot(shapes: bool, moved: bool) -> tuple[Any, ...]:
+    if shapes:
+        return (*HOT_SHAPES, MOVED_SHAPE) if moved else HOT_SHAPES
+    return (*HOT, MOVED) if moved else HOT
+
+
+def traffic(seed: int, calls: int, shapes: bool, moved: bool = False) -> list[Any]:
     """Mostly the hot sizes or shapes (about 25% or 37% each), the rest spread out."""
     rng = random.Random(seed)
     if shapes:
         cold = [(rng.randint(1, 5), rng.randint(3, 24)) for _ in range(calls)]
-        return [rng.choice(HOT_SHAPES) if rng.random() < 0.75 else c for c in cold]
-    return [rng.choice(HOT) if rng.random() < 0.75 else rng.randint(2, 40) for _ in range(calls)]
+        return [rng.choice(hot(shapes, moved)) if rng.random() < 0.75 else c for c in cold]
+    return [
+        rng.choice(hot(shapes, moved)) if rng.random() < 0.75 else rng.randint(2, 40) for _ in range(calls)
+    ]
 
 
 def same(out: Any, expected: Any) -> None:
@@ -70,7 +81,7 @@ def same(out: Any, expected: Any) -> None:
 def main() -> None:
     backend, kind = sys.argv[1], sys.argv[2]
     html = sys.argv[3] if len(sys.argv) > 3 else None
-    shapes = kind.startswith("shapes")
+    shapes, moved = kind.startswith("shapes"), kind.endswith("moved")
     model = bert() if shapes else model_for(backend)
     reference = model
     compiled = tessera.compile(model, backend=backend, compile_sizes="auto", prefix="auto")
@@ -78,7 +89,7 @@ def main() -> None:
 
     def serve(thread: int) -> None:
         try:
-            for i, size in enumerate(traffic(thread, 1 if kind.endswith("none") else CALLS, shapes)):
+            for i, size in enumerate(traffic(thread, 1 if kind.endswith("none") else CALLS, shapes, moved)):
                 args = inputs(size, thread * 1000 + i)
                 same(compiled(*args), reference(*args))
         except BaseException as e:  # reported by the main thread
@@ -100,7 +111,7 @@ def main() -> None:
     report = compiled.report
     # After the compiles: each hot size is served by its static artifact now (a warm process: from
     # its first calls).
-    for size in HOT_SHAPES if shapes else HOT:
+    for size in hot(shapes, moved):
         args = inputs(size, 7)
         same(compiled(*args), reference(*args))
     if html is not None:

@@ -202,6 +202,22 @@ def test_learnt_sizes_are_the_capture_sizes_under_cuda_graphs(monkeypatch):
 
 
 # -- the picture --------------------------------------------------------------------------------------
+def test_a_warm_process_learns_the_sizes_its_traffic_adds_and_the_next_one_loads_them(tmp_path: Path):
+    """The pieces a warm process loaded compile a size it learns from their graphs and inputs as
+    saved: nothing is traced, only the new size compiles, and the process after it loads it too."""
+    run_json("tests.run_auto_sizes", "eager", "skewed", cache=tmp_path)
+    warm = run_json("tests.run_auto_sizes", "eager", "moved", cache=tmp_path)
+    assert warm["first_kind"] == "warm" and warm["counters"]["graphs_traced"] == 0
+    assert sorted(warm["learnt"]) == [1, 4, 6, 9]
+    assert warm["counters"]["sizes_learnt"] == 1
+    assert "size 9" in warm["served_by"]
+    assert {tuple(o) for o in warm["obtained"]} >= {("size 9", "compiled"), ("size 1", "loaded")}
+    after = run_json("tests.run_auto_sizes", "eager", "none", cache=tmp_path)
+    assert sorted(after["learnt"]) == [1, 4, 6, 9]
+    assert after["counters"]["eager_compiles"] == 0 and after["counters"]["graphs_traced"] == 0
+    assert ("size 9", "loaded") in {tuple(o) for o in after["obtained"]}
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tmp_path: Path):
@@ -227,6 +243,12 @@ def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tm
     assert warm["first_kind"] == "warm" and sorted(warm["learnt"]) == [1, 4, 6]
     assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["sizes_learnt"] == 0
     assert {"size 1", "size 4", "size 6"} <= set(warm["served_by"])  # from its first calls
+    moved = run_json(
+        "tests.run_auto_sizes", "inductor", "moved", cache=tmp_path, TESSERA_BACKGROUND_COMPILE="1"
+    )
+    assert moved["first_kind"] == "warm" and moved["counters"]["graphs_traced"] == 0
+    assert sorted(moved["learnt"]) == [1, 4, 6, 9] and moved["counters"]["sizes_learnt"] == 1
+    assert moved["counters"]["inductor_compiles"] > 0 and "size 9" in moved["served_by"]
 
 
 @pytest.mark.inductor
@@ -246,6 +268,13 @@ def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_d
     assert warm["first_kind"] == "warm" and sorted(map(sorted, warm["learnt"])) == [[2, 16], [4, 8]]
     assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["graphs_traced"] == 0
     assert sum(label.startswith("shape ") for label in warm["served_by"]) == 2, warm["served_by"]
+    # A warm process whose traffic adds a hot shape learns it: compiled by Inductor from the
+    # pieces' graphs and inputs as saved, nothing traced; eager's numbers throughout (the helper).
+    moved = run_json("tests.run_auto_sizes", "inductor", "shapes-moved", cache=tmp_path, **defaults)
+    assert moved["first_kind"] == "warm" and moved["counters"]["graphs_traced"] == 0
+    assert sorted(map(sorted, moved["learnt"])) == [[2, 16], [3, 6], [4, 8]], moved["learnt"]
+    assert moved["counters"]["sizes_learnt"] == 1 and moved["counters"]["inductor_compiles"] > 0
+    assert sum(label.startswith("shape ") for label in moved["served_by"]) == 3, moved["served_by"]
 
 
 def test_report_html_from_the_command_line_draws_a_scripts_models(tmp_path: Path):

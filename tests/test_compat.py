@@ -213,6 +213,17 @@ def test_symbols_read_from_a_fake_graph():
     size = placeholder.meta["example_value"].shape[0]
     assert isinstance(size, torch.SymInt)
     assert _compat.sym_expr(size).is_Symbol and not _compat.is_constant_symint(size)
+    assert _compat.size_hint(size) == 4 and _compat.size_hint(7) == 7
+
+
+def test_size_expressions_saved_as_text_read_back_with_torchs_own_functions():
+    import sympy
+    import torch.utils._sympy.functions as functions  # what a trace's strides are made of
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    expr = functions.FloorDiv(s0 * 3, 2) + functions.Mod(s1, 4)
+    read = _compat.sympy_expression(str(expr))
+    assert read.subs({sympy.Symbol("s0"): 10, sympy.Symbol("s1"): 7}) == 15 + 3
 
 
 def test_op_names_and_mutability():

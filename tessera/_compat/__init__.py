@@ -92,6 +92,7 @@ from tessera._compat.tensors import (
     same_storage as same_storage,
     size_hint as size_hint,
     sym_expr as sym_expr,
+    sympy_expression as sympy_expression,
     version_counter as version_counter,
 )
 

@@ -44,16 +44,29 @@ def is_constant_symint(value: torch.SymInt) -> bool:
 def size_hint(value: int | torch.SymInt) -> int:
     """The example value behind a size or stride: a SymInt's hint, an int itself.
 
-    Checked on torch 2.11, 2.13: ``symbolic_shapes.optimization_hint`` (2.13) or ``hint_int``
-    (2.11) of ``torch.fx.experimental``; no stable public API.
+    Checked on torch 2.11, 2.13: ``symbolic_shapes.optimization_hint`` (2.13) or ``size_hint``
+    (2.11, where ``hint_int`` warns that it is deprecated) of ``torch.fx.experimental``; no
+    stable public API.
     """
     if isinstance(value, int):
         return value
-    try:  # torch 2.13 renamed hint_int to optimization_hint
+    try:  # torch 2.13 renamed size_hint to optimization_hint
         from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
     except ImportError:  # torch 2.11-2.12
-        from torch.fx.experimental.symbolic_shapes import hint_int as hint  # type: ignore[attr-defined,no-redef]
+        from torch.fx.experimental.symbolic_shapes import size_hint as hint  # type: ignore[attr-defined,no-redef]
     return int(hint(value))
+
+
+def sympy_expression(text: str) -> Any:
+    """The sympy expression ``str(expr)`` printed, for a size expression saved as text: torch's
+    own sympy functions (``FloorDiv``, ``Mod``, ...) by their names.
+
+    Checked on torch 2.11, 2.13: ``torch.utils._sympy.functions`` is private.
+    """
+    import sympy
+    from torch.utils._sympy import functions
+
+    return sympy.sympify(text, locals=vars(functions))
 
 
 def version_counter(tensor: torch.Tensor) -> int:

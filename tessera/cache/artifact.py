@@ -46,11 +46,12 @@ from tessera.layout import OutputLayout
 from tessera.piece import PieceRecord
 from tessera.portable import PortableCode, resolve_globals
 
-# 10: an assumption says its kind, path and dim (assumption.Kind); 9: one artifact holds every
-# trace of one graph (variants); 8: PortableCode binds every global
+# 11: a piece record holds its inputs as traced (piece_inputs) and, with auto sizes, the graphs
+# are kept for any compiler; 10: an assumption says its kind, path and dim (assumption.Kind);
+# 9: one artifact holds every trace of one graph (variants); 8: PortableCode binds every global
 # Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
 # from each module; 7: the pickled CallSpec moved
-FORMAT = 10
+FORMAT = 11
 
 
 class _Pickler(pickle.Pickler):
@@ -290,12 +291,17 @@ def make(
     sources: Sequence[SourceFile],
     contents: dict[str, str] | None,
     call_spec: CallSpec,
+    laid_out: bool = False,
 ) -> ModelArtifact:
     """The artifact of a finished trace. ``contents`` (piece -> content hash) keeps the compiled
-    pieces' graphs, once per distinct content, for compilers that load from a graph."""
+    pieces' graphs, once per distinct content, for compilers that load from a graph, or that
+    compile the sizes a warm process learns (``laid_out``: as Inductor is given a graph, its
+    outputs in eager's layout: layout.keep_eager_layouts)."""
     # _modules, not getattr: the backend shadows each submodule with what runs it.
     children: dict[str, Any] = dict(split_gm.named_children())
     modules = {name: PortableModule.of(children[name], positional=True) for name in splitting}
+    from tessera.layout import keep_eager_layouts
+
     graphs: dict[str, bytes] = {}
     piece_graphs = []
     for record in pieces:
@@ -303,7 +309,8 @@ def make(
             break
         content = contents[record.name]
         if content not in graphs:
-            graphs[content] = dump_graph(children[record.name])
+            child = children[record.name]
+            graphs[content] = dump_graph(keep_eager_layouts(child) if laid_out else child)
         piece_graphs.append((record.name, content))
     return ModelArtifact(
         format=FORMAT,
