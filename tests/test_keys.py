@@ -92,3 +92,35 @@ def test_explain_reads_the_entry_key_and_says_when_factors_do_not_match_it():
     (entry / FACTORS).write_text(json.dumps(factors))
     lines = explain(entry.parents[2], entry)
     assert any("do not hash to this entry's key" in line for line in lines), lines
+
+
+def test_pieces_alike_but_for_which_size_is_which_dim_do_not_share_a_shape_artifact():
+    """A shape's values follow the size symbols' names; a piece's content renames them in the order
+    they appear. A piece given x [a, b] and one given y [b, a] would otherwise share content, and
+    shape (2, 3) would hand one the other's artifact."""
+    from tessera.cache.key import piece_content
+
+    seen = {}
+
+    def capture(gm, example_inputs):
+        seen["gm"] = gm
+        return gm.forward
+
+    x = torch.randn(2, 3)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 1)
+    torch.compile(lambda x: x.t().contiguous() + 1, backend=capture, fullgraph=True)(x)
+    values = [n.meta["example_value"] for n in seen["gm"].graph.nodes if "example_value" in n.meta]
+    fake_x = next(v for v in values if isinstance(v, torch.Tensor) and v.dim() == 2)
+    swapped = (str(fake_x.shape[1]), str(fake_x.shape[0]))
+    fake_y = next(  # x.t().contiguous(): [b, a], strides (a, 1)
+        v
+        for v in values
+        if isinstance(v, torch.Tensor)
+        and tuple(map(str, v.shape)) == swapped
+        and tuple(map(str, v.stride())) == (swapped[1], "1")
+    )
+    relu = torch.fx.symbolic_trace(lambda t: t.relu())
+    as_x, as_y = piece_content(relu, [fake_x]), piece_content(relu, [fake_y])
+    assert as_x != as_y
+    assert piece_content(relu, [fake_x]) == as_x  # and the same piece keeps its content

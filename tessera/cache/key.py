@@ -211,6 +211,11 @@ def piece_content(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
         return f"{type(value).__name__}:{value!r}"
 
     lines = [describe_input(v) for v in example_inputs]
+    if len(symbols) > 1:
+        # A shape's values are given in the order of the symbols' names (piece.size_symbols), the
+        # content in the order they first appear: two pieces alike but for which size is which
+        # dim must not share a shape's artifact.
+        lines.append("order:" + ",".join(symbols[name] for name in sorted(symbols)))
     lines.extend(_canonical_nodes(graph, canon))
     return sha256_bytes("\n".join(lines).encode())
 
