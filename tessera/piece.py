@@ -157,6 +157,9 @@ class PieceRunner:
         # call whose inputs a compiled artifact refuses (see _as_traced). None when loaded.
         self.as_traced: Callable[..., Any] | None = None
         self._warned = False
+        # Given one call's inputs, on a size's first call (a loaded piece that may learn a size
+        # keeps its weights from them: size_learning.LoadedWork); None: nothing asks.
+        self.keep_inputs: Callable[[tuple[Any, ...]], None] | None = None
         if size_source is None and self._general is None:
             raise ConfigError(f"piece {name} has no dynamic size, so it needs a general artifact")
 
@@ -173,6 +176,8 @@ class PieceRunner:
             artifact = self._memo.get(size)
             if artifact is None:
                 artifact = self._lookup(size)
+                if self.keep_inputs is not None:
+                    self._keep(args)
             if self.tally is not None:
                 self.tally.seen(size, artifact.label)
         assert artifact is not None, f"{self.name}: no artifact chosen"
@@ -193,9 +198,17 @@ class PieceRunner:
             assert self._source is not None, "a piece with a shape has a size"
             size = self._source.read(args)
             artifact = self._memo.get(size) or self._lookup(size)
+            if self.keep_inputs is not None:
+                self._keep(args)
         if self.tally is not None:
             self.tally.seen(shape, artifact.label)
         return artifact
+
+    def _keep(self, args: tuple[Any, ...]) -> None:
+        """Hand one call's inputs to ``keep_inputs`` (once: it is then let go)."""
+        keep, self.keep_inputs = self.keep_inputs, None
+        if keep is not None:
+            keep(args)
 
     def _as_traced(self, error: AssertionError, args: tuple[Any, ...]) -> Any:
         """A compiled artifact refused its inputs (Inductor's own size and stride assert, before

@@ -57,8 +57,8 @@ def saved_inputs(fake_args: Sequence[Any], symbols: Sequence[Any]) -> SavedInput
         if isinstance(value, torch.SymInt):
             saved.append(SavedInput("size", expr=str(_compat.sym_expr(value))))
         elif isinstance(value, torch.Tensor):
-            if value.layout != torch.strided or value.is_quantized:
-                return None
+            if not _compat.is_plain_tensor(value) or value.layout != torch.strided or value.is_quantized:
+                return None  # a subclass would be compiled for as a plain tensor
             saved.append(
                 SavedInput(
                     "tensor",
@@ -82,11 +82,25 @@ def _extent(value: int | torch.SymInt) -> Extent:
     return int(value)
 
 
-def inputs_at(piece: str, saved: SavedInputs, size: int | Shape) -> list[Any]:
+def fixed(saved: SavedInputs) -> tuple[bool, ...]:
+    """Per input: a tensor of no size symbol (a weight, a static cache): what a call's own tensor
+    can stand in for at a compile (``inputs_at``'s ``real``)."""
+    return tuple(
+        item.kind == "tensor" and not any(isinstance(d, str) for d in (*item.shape, *item.stride))
+        for item in saved.inputs
+    )
+
+
+def inputs_at(
+    piece: str, saved: SavedInputs, size: int | Shape, real: Sequence[torch.Tensor | None] = ()
+) -> list[Any]:
     """Concrete example inputs for compiling ``piece`` at one static ``size`` (or ``Shape``):
-    tensors of the size's extents (zeros where a size is in them, left empty otherwise: a weight's
-    values do not change the code compiled), sizes as numbers, fixed values as they were."""
+    ``real``'s tensor where a call's fixed input is still alive (its weights: no copy), else a
+    zero tensor of the size's extents; sizes as numbers, fixed values as they were. A
+    ``ConfigError`` where the tensors made would not fit in their device's memory."""
     import sympy
+
+    from tessera.piece import device_memory
 
     if isinstance(size, Shape):
         if len(saved.symbols) != len(size.values):
@@ -106,15 +120,46 @@ def inputs_at(piece: str, saved: SavedInputs, size: int | Shape) -> list[Any]:
             parsed[extent] = int(_compat.sympy_expression(extent).subs(by_symbol))
         return parsed[extent]
 
-    out: list[Any] = []
-    for item in saved.inputs:
+    made: list[tuple[int, list[int], list[int]]] = []  # (input, shape, stride) of each tensor to make
+    needed: dict[str, int] = {}
+    for index, item in enumerate(saved.inputs):
+        if item.kind != "tensor" or _alive(item, real, index) is not None:
+            continue
+        shape, stride = [concrete(d) for d in item.shape], [concrete(d) for d in item.stride]
+        assert item.dtype is not None, "a saved tensor has its dtype"
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+        needed[item.device] = needed.get(item.device, 0) + extent * item.dtype.itemsize
+        made.append((index, shape, stride))
+    for device, nbytes in needed.items():
+        available = device_memory(torch.device(device))
+        if available is not None and nbytes > available:
+            raise ConfigError(
+                f"piece {piece}: {size} needs {nbytes / 2**30:.1f} GiB of example inputs on {device}, "
+                f"which has {available / 2**30:.1f} GiB"
+            )
+    out: list[Any] = [None] * len(saved.inputs)
+    for index, shape, stride in made:
+        item = saved.inputs[index]
+        out[index] = torch.empty_strided(shape, stride, dtype=item.dtype, device=item.device).zero_()
+    for index, item in enumerate(saved.inputs):
         if item.kind == "size":
-            out.append(concrete(item.expr))
+            out[index] = concrete(item.expr)
         elif item.kind == "value":
-            out.append(item.value)
-        else:
-            shape = [concrete(d) for d in item.shape]
-            stride = [concrete(d) for d in item.stride]
-            tensor = torch.empty_strided(shape, stride, dtype=item.dtype, device=item.device)
-            out.append(tensor.zero_() if any(isinstance(d, str) for d in item.shape) else tensor)
+            out[index] = item.value
+        elif out[index] is None:
+            out[index] = _alive(item, real, index)
     return out
+
+
+def _alive(item: SavedInput, real: Sequence[torch.Tensor | None], index: int) -> torch.Tensor | None:
+    """A call's own tensor for a fixed input, where it still is what was traced."""
+    tensor = real[index] if index < len(real) else None
+    if (
+        tensor is None
+        or tuple(tensor.shape) != item.shape
+        or tuple(tensor.stride()) != item.stride
+        or tensor.dtype != item.dtype
+        or str(tensor.device) != item.device
+    ):
+        return None
+    return tensor

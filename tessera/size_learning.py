@@ -8,9 +8,12 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
@@ -18,7 +21,7 @@ from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.learn import Counted, SizeLearner, SizeTally
 from tessera.piece import PieceRecord, free_symbols, shape_sources
-from tessera.piece_inputs import inputs_at
+from tessera.piece_inputs import fixed, inputs_at
 from tessera.pieces import Pieces
 from tessera.schedule import start_thread
 from tessera.split import SplitItem
@@ -45,23 +48,36 @@ class LearningOwner(Protocol):
 @dataclass
 class LoadedWork:
     """What compiling a loaded piece at a learnt size needs (warm.py): its record (with its inputs
-    as traced), its content hash and its graph as saved, unpickled at the first learn."""
+    as traced), its content hash, its graph as saved (unpickled at the first learn, once per
+    content: ``graphs``) and, weakly, the fixed inputs (weights) of one call (``keep``)."""
 
     record: PieceRecord
     content: str
     graph_blob: bytes
-    _item: SplitItem | None = None
+    graphs: dict[str, Any]  # content -> graph, shared by the model's loaded pieces
+    _real: tuple[weakref.ref[Any] | None, ...] = ()
 
     def item(self) -> SplitItem:
-        if self._item is None:
+        graph = self.graphs.get(self.content)
+        if graph is None:
             from tessera.cache.artifact import load_graph
 
-            self._item = SplitItem(self.record.name, self.record.index, False, load_graph(self.graph_blob))
-        return self._item
+            graph = self.graphs[self.content] = load_graph(self.graph_blob)
+        return SplitItem(self.record.name, self.record.index, False, graph)
+
+    def keep(self, args: tuple[Any, ...]) -> None:
+        """The piece's runner hands it a call's inputs: its weights are what a compile is given
+        (no copy), while they live."""
+        assert self.record.inputs is not None, "a loaded piece learns from its saved inputs"
+        self._real = tuple(
+            weakref.ref(a) if is_fixed and isinstance(a, torch.Tensor) else None
+            for a, is_fixed in zip(args, fixed(self.record.inputs), strict=False)
+        )
 
     def inputs(self, size: int | Shape) -> Callable[[], Sequence[Any]]:
         assert self.record.inputs is not None, "a loaded piece learns from its saved inputs"
-        return functools.partial(inputs_at, self.record.name, self.record.inputs, size)
+        real = tuple(ref() if ref is not None else None for ref in self._real)
+        return functools.partial(inputs_at, self.record.name, self.record.inputs, size, real)
 
 
 class SizeLearning:
@@ -121,10 +137,10 @@ class SizeLearning:
                 piece.tally = self.tally
 
     def _learnable(self) -> bool:
-        """Whether static sizes can be compiled here: this process traced the pieces, and they
-        share their dynamic sizes: one (a size is learnt), or several that every piece reads (a
-        shape is learnt: batch x length). Worked out once: the pieces are built before anything
-        is served."""
+        """Whether static sizes can be compiled here: this process traced the pieces or loaded
+        them with their inputs and graphs, and they share their dynamic sizes: one (a size is
+        learnt), or several that every piece reads (a shape is learnt: batch x length). Worked
+        out once: the pieces are built before anything is served."""
         if self._learnable_memo is None:
             symbols = {frozenset(map(str, free_symbols(work.fake_args))) for work in self.sized}
             symbols |= {frozenset(w.record.inputs.symbols) for w in self.loaded if w.record.inputs}

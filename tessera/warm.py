@@ -243,6 +243,7 @@ def _install_saved(
     needs_graph = not loads_without_graph(split_model.compiler)
     attributes: dict[str, Any] = {}
     loaded_learnt: set[Counted] = set()
+    unlearnable: list[str] = []  # sized pieces a learnt size could not compile
     splitting = {name for name, _ in saved.modules}
     names = sorted([*splitting, *(r.name for r in saved.pieces)], key=lambda n: int(n.rsplit("_", 1)[1]))
     split_model.pieces.place_names(names, splitting)
@@ -284,17 +285,32 @@ def _install_saved(
         content = graph_of.get(record.name)
         if split_model.config.auto_sizes and record.inputs is not None and content in graphs:
             # What a size this process learns compiles from (the graph unpickled only then).
-            split_model.learning.loaded.append(LoadedWork(record, content, graphs[content]))
-        attributes[record.name] = split_model.pieces.install_runner(
-            record,
-            PieceRunner(
-                record.name,
-                artifacts,
-                record.size_source,
-                split_model.config.max_size,
-                shape_sources=record.shape_sources,
-            ),
+            split_model.learning.loaded.append(LoadedWork(record, content, graphs[content], unpickled))
+        elif split_model.config.auto_sizes and record.size_source is not None:
+            unlearnable.append(record.name)
+        runner = PieceRunner(
+            record.name,
+            artifacts,
+            record.size_source,
+            split_model.config.max_size,
+            shape_sources=record.shape_sources,
         )
+        if split_model.learning.loaded and split_model.learning.loaded[-1].record is record:
+            runner.keep_inputs = split_model.learning.loaded[-1].keep
+        attributes[record.name] = split_model.pieces.install_runner(record, runner)
+    if unlearnable and split_model.learning.loaded:
+        # A size is learnt for every sized piece or none (as a traced process decides).
+        log.info(
+            "%s: auto sizes: piece(s) %s were saved without their inputs or graph, so this process "
+            "learns no size (a process that traces the model does)",
+            split_model.prefix,
+            ", ".join(unlearnable),
+        )
+        split_model.learning.loaded.clear()
+        for runner_call in attributes.values():
+            runner = getattr(runner_call, "fn", runner_call)
+            if isinstance(runner, PieceRunner):
+                runner.keep_inputs = None
     loaded = time.perf_counter()
     split_model.phases["load_kernels"] = loaded - start
     built: dict[str, Callable[..., Any]] = {}

@@ -216,6 +216,32 @@ def test_symbols_read_from_a_fake_graph():
     assert _compat.size_hint(size) == 4 and _compat.size_hint(7) == 7
 
 
+def test_a_plain_tensor_is_told_from_a_wrapper_subclass():
+    class Wrapper(torch.Tensor):  # the shape of torchao's and DTensor's wrappers
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __tensor_flatten__(self):
+            return ["inner"], None
+
+        @staticmethod
+        def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+            return Wrapper(inner_tensors["inner"])
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError
+
+    assert _compat.is_plain_tensor(torch.randn(2)) and _compat.is_plain_tensor(
+        torch.nn.Parameter(torch.ones(1))
+    )
+    assert not _compat.is_plain_tensor(Wrapper(torch.randn(2))) and not _compat.is_plain_tensor(3)
+
+
 def test_size_expressions_saved_as_text_read_back_with_torchs_own_functions():
     import sympy
     import torch.utils._sympy.functions as functions  # what a trace's strides are made of

@@ -57,3 +57,24 @@ def test_a_shape_needs_one_value_per_size_symbol():
         inputs_at("p", saved, Shape((3,)))
     with pytest.raises(ConfigError, match="exactly one dynamic size"):
         inputs_at("p", saved, 3)
+
+
+def test_a_calls_own_weight_is_given_to_the_compile_and_a_size_that_cannot_fit_is_refused(monkeypatch):
+    from tessera import piece
+
+    saved = SavedInputs(
+        (
+            SavedInput("tensor", shape=("s0", 4), stride=(4, 1), dtype=torch.float32, device="cpu"),
+            SavedInput("tensor", shape=(4, 4), stride=(4, 1), dtype=torch.float32, device="cpu"),
+            SavedInput("size", expr="2*s0"),
+        ),
+        ("s0",),
+    )
+    weight = torch.randn(4, 4)
+    rows, same, doubled = inputs_at("p", saved, 3, real=(None, weight))
+    assert same is weight and rows.shape == (3, 4) and doubled == 6
+    _, made, _ = inputs_at("p", saved, 3, real=(None, weight.t()))  # not as traced: one is made
+    assert made is not weight and made.shape == (4, 4) and made.stride() == (4, 1)
+    monkeypatch.setattr(piece, "device_memory", lambda device: 64)
+    with pytest.raises(ConfigError, match="GiB of example inputs on cpu"):
+        inputs_at("p", saved, 1000, real=(None, weight))

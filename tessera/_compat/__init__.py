@@ -83,6 +83,7 @@ from tessera._compat.tensors import (
     OpOverload as OpOverload,
     OpOverloadPacket as OpOverloadPacket,
     is_constant_symint as is_constant_symint,
+    is_plain_tensor as is_plain_tensor,
     is_view as is_view,
     op_is_mutable as op_is_mutable,
     op_overload_name as op_overload_name,

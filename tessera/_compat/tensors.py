@@ -50,11 +50,25 @@ def size_hint(value: int | torch.SymInt) -> int:
     """
     if isinstance(value, int):
         return value
-    try:  # torch 2.13 renamed size_hint to optimization_hint
-        from torch.fx.experimental.symbolic_shapes import optimization_hint as hint
-    except ImportError:  # torch 2.11-2.12
-        from torch.fx.experimental.symbolic_shapes import size_hint as hint  # type: ignore[attr-defined,no-redef]
-    return int(hint(value))
+    from torch.fx.experimental import symbolic_shapes
+
+    # torch 2.13 renamed size_hint to optimization_hint; hint_int before both (2.12 was not run).
+    for name in ("optimization_hint", "size_hint", "hint_int"):
+        hint = getattr(symbolic_shapes, name, None)
+        if hint is not None:
+            return int(hint(value))
+    raise ImportError("torch.fx.experimental.symbolic_shapes has no size hint function")
+
+
+def is_plain_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor of no wrapper subclass (a parameter and a fake tensor are
+    plain; a quantized or distributed wrapper, ``DTensor``, is not).
+
+    Checked on torch 2.11, 2.13: ``torch.utils._python_dispatch`` is private.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(value, torch.Tensor) and not is_traceable_wrapper_subclass(value)
 
 
 def sympy_expression(text: str) -> Any:

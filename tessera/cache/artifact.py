@@ -23,6 +23,7 @@ import enum
 import hashlib
 import importlib.util
 import io
+import logging
 import marshal
 import pickle
 import platform
@@ -52,6 +53,8 @@ from tessera.portable import PortableCode, resolve_globals
 # Dynamo installed (7 lost the alias of a script's __main__) and records the names the code reads
 # from each module; 7: the pickled CallSpec moved
 FORMAT = 11
+
+log = logging.getLogger(__name__)
 
 
 class _Pickler(pickle.Pickler):
@@ -310,7 +313,14 @@ def make(
         content = contents[record.name]
         if content not in graphs:
             child = children[record.name]
-            graphs[content] = dump_graph(keep_eager_layouts(child) if laid_out else child)
+            if not laid_out:
+                graphs[content] = dump_graph(child)
+            else:  # kept only for a warm process's learning: one that does not pickle is left out
+                try:
+                    graphs[content] = dump_graph(keep_eager_layouts(child))
+                except Exception as e:
+                    log.debug("%s: graph not kept for learning (%s: %s)", record.name, type(e).__name__, e)
+                    continue
         piece_graphs.append((record.name, content))
     return ModelArtifact(
         format=FORMAT,

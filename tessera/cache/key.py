@@ -46,6 +46,7 @@ CODE_ENV_VARS = (
 # fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
 # state
 FINGERPRINT_FORMAT = 9
+PIECE_CONTENT_FORMAT = 2
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -176,6 +177,9 @@ def collect_factors(
         # artifact) must not be shared between states the graph would run differently under.
         "call_state": repr(_compat.call_state()),
         "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
+        # How piece_content describes a piece: an entry made by another recipe may hold a shape's
+        # artifact shared between pieces the current one tells apart (2: the "order:" line).
+        "piece_content": PIECE_CONTENT_FORMAT,
     }
 
 
