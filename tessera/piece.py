@@ -6,7 +6,6 @@ A runner picks an artifact by the runtime size: exact compile size, then a range
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from tessera._compat import is_constant_symint, sym_expr
 from tessera.config import TRACED_LABEL, Shape, Size, SizeRange, size_label
 from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
-from tessera.piece_inputs import SavedInputs
+from tessera.piece_inputs import SavedInputs, device_memory
 
 log = logging.getLogger(__name__)
 
@@ -429,15 +428,3 @@ def _check_fits(
                 f"piece {piece}: compile size {size} needs {nbytes / 2**30:.1f} GiB of example inputs "
                 f"on {device}, which has {available / 2**30:.1f} GiB: drop {size} from compile_sizes"
             )
-
-
-def device_memory(device: torch.device) -> int | None:
-    """Bytes of memory on ``device`` (None if unknown)."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info(device)[1])
-    if device.type == "cpu":
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None

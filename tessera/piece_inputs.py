@@ -9,6 +9,7 @@ example inputs from them, as ``piece.specialize_inputs`` does from the fake ones
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,8 +101,6 @@ def inputs_at(
     ``ConfigError`` where the tensors made would not fit in their device's memory."""
     import sympy
 
-    from tessera.piece import device_memory
-
     if isinstance(size, Shape):
         if len(saved.symbols) != len(size.values):
             raise ConfigError(f"piece {piece}: shape {size} is not one value for each of {saved.symbols}")
@@ -163,3 +162,15 @@ def _alive(item: SavedInput, real: Sequence[torch.Tensor | None], index: int) ->
     ):
         return None
     return tensor
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device`` (None if unknown)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[1])
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

@@ -60,7 +60,7 @@ def test_a_shape_needs_one_value_per_size_symbol():
 
 
 def test_a_calls_own_weight_is_given_to_the_compile_and_a_size_that_cannot_fit_is_refused(monkeypatch):
-    from tessera import piece
+    from tessera import piece_inputs
 
     saved = SavedInputs(
         (
@@ -75,6 +75,6 @@ def test_a_calls_own_weight_is_given_to_the_compile_and_a_size_that_cannot_fit_i
     assert same is weight and rows.shape == (3, 4) and doubled == 6
     _, made, _ = inputs_at("p", saved, 3, real=(None, weight.t()))  # not as traced: one is made
     assert made is not weight and made.shape == (4, 4) and made.stride() == (4, 1)
-    monkeypatch.setattr(piece, "device_memory", lambda device: 64)
+    monkeypatch.setattr(piece_inputs, "device_memory", lambda device: 64)
     with pytest.raises(ConfigError, match="GiB of example inputs on cpu"):
         inputs_at("p", saved, 1000, real=(None, weight))
