@@ -119,16 +119,22 @@ def inputs_at(
             parsed[extent] = int(_compat.sympy_expression(extent).subs(by_symbol))
         return parsed[extent]
 
+    out: list[Any] = []
     made: list[tuple[int, list[int], list[int]]] = []  # (input, shape, stride) of each tensor to make
     needed: dict[str, int] = {}
     for index, item in enumerate(saved.inputs):
-        if item.kind != "tensor" or _alive(item, real, index) is not None:
-            continue
-        shape, stride = [concrete(d) for d in item.shape], [concrete(d) for d in item.stride]
-        assert item.dtype is not None, "a saved tensor has its dtype"
-        extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
-        needed[item.device] = needed.get(item.device, 0) + extent * item.dtype.itemsize
-        made.append((index, shape, stride))
+        alive = _alive(item, real, index) if item.kind == "tensor" else None
+        if item.kind == "size":
+            out.append(concrete(item.expr))
+        elif item.kind == "value" or alive is not None:
+            out.append(item.value if alive is None else alive)
+        else:
+            shape, stride = [concrete(d) for d in item.shape], [concrete(d) for d in item.stride]
+            assert item.dtype is not None, "a saved tensor has its dtype"
+            extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+            needed[item.device] = needed.get(item.device, 0) + extent * item.dtype.itemsize
+            made.append((index, shape, stride))
+            out.append(None)
     for device, nbytes in needed.items():
         available = device_memory(torch.device(device))
         if available is not None and nbytes > available:
@@ -136,17 +142,9 @@ def inputs_at(
                 f"piece {piece}: {size} needs {nbytes / 2**30:.1f} GiB of example inputs on {device}, "
                 f"which has {available / 2**30:.1f} GiB"
             )
-    out: list[Any] = [None] * len(saved.inputs)
-    for index, shape, stride in made:
+    for index, shape, stride in made:  # only once they are known to fit
         item = saved.inputs[index]
         out[index] = torch.empty_strided(shape, stride, dtype=item.dtype, device=item.device).zero_()
-    for index, item in enumerate(saved.inputs):
-        if item.kind == "size":
-            out[index] = concrete(item.expr)
-        elif item.kind == "value":
-            out[index] = item.value
-        elif out[index] is None:
-            out[index] = _alive(item, real, index)
     return out
 
 

@@ -244,6 +244,7 @@ def _install_saved(
     attributes: dict[str, Any] = {}
     loaded_learnt: set[Counted] = set()
     unlearnable: list[str] = []  # sized pieces a learnt size could not compile
+    runners: dict[str, PieceRunner] = {}
     splitting = {name for name, _ in saved.modules}
     names = sorted([*splitting, *(r.name for r in saved.pieces)], key=lambda n: int(n.rsplit("_", 1)[1]))
     split_model.pieces.place_names(names, splitting)
@@ -295,8 +296,7 @@ def _install_saved(
             split_model.config.max_size,
             shape_sources=record.shape_sources,
         )
-        if split_model.learning.loaded and split_model.learning.loaded[-1].record is record:
-            runner.keep_inputs = split_model.learning.loaded[-1].keep
+        runners[record.name] = runner
         attributes[record.name] = split_model.pieces.install_runner(record, runner)
     if unlearnable and split_model.learning.loaded:
         # A size is learnt for every sized piece or none (as a traced process decides).
@@ -307,10 +307,8 @@ def _install_saved(
             ", ".join(unlearnable),
         )
         split_model.learning.loaded.clear()
-        for runner_call in attributes.values():
-            runner = getattr(runner_call, "fn", runner_call)
-            if isinstance(runner, PieceRunner):
-                runner.keep_inputs = None
+    for work in split_model.learning.loaded:  # its weights from the piece's first call
+        runners[work.record.name].keep_inputs = work.keep
     loaded = time.perf_counter()
     split_model.phases["load_kernels"] = loaded - start
     built: dict[str, Callable[..., Any]] = {}

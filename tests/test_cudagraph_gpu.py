@@ -55,26 +55,17 @@ def test_piecewise_and_full_equal_eager_over_50_decode_steps(backend):
     model = _decode_model()
     capture_batches = [8, 4, 2, 1]
     padded_batches = [8, 3, 5, 7, 6]  # 3, 5, 6, 7 pad up to 4 and 8
-    eager = _run(copy.deepcopy(model), padded_batches)
-    piecewise = tessera.compile(
-        copy.deepcopy(model),
-        backend=backend,
-        cudagraph_mode="piecewise",
-        cudagraph_capture_sizes=CAPTURE_SIZES,
-        background_compile=False,
-    )
-    _assert_equal(_run(piecewise, padded_batches), eager)
-
-    # Full graphs run attention on padded rows as well: compare at capture sizes.
-    eager_full = _run(copy.deepcopy(model), capture_batches)
-    full = tessera.compile(
-        copy.deepcopy(model),
-        backend=backend,
-        cudagraph_mode="full",
-        cudagraph_capture_sizes=CAPTURE_SIZES,
-        background_compile=False,
-    )
-    _assert_equal(_run(full, capture_batches), eager_full)
+    # Full graphs run attention on padded rows as well: compared at capture sizes.
+    for mode, batches in (("piecewise", padded_batches), ("full", capture_batches)):
+        eager = _run(copy.deepcopy(model), batches)
+        compiled = tessera.compile(
+            copy.deepcopy(model),
+            backend=backend,
+            cudagraph_mode=mode,
+            cudagraph_capture_sizes=CAPTURE_SIZES,
+            background_compile=False,
+        )
+        _assert_equal(_run(compiled, batches), eager)
 
 
 def test_capture_count_no_recapture_and_bounded_pool():

@@ -303,8 +303,6 @@ def make(
     # _modules, not getattr: the backend shadows each submodule with what runs it.
     children: dict[str, Any] = dict(split_gm.named_children())
     modules = {name: PortableModule.of(children[name], positional=True) for name in splitting}
-    from tessera.layout import keep_eager_layouts
-
     graphs: dict[str, bytes] = {}
     piece_graphs = []
     for record in pieces:
@@ -316,6 +314,8 @@ def make(
             if not laid_out:
                 graphs[content] = dump_graph(child)
             else:  # kept only for a warm process's learning: one that does not pickle is left out
+                from tessera.layout import keep_eager_layouts
+
                 try:
                     graphs[content] = dump_graph(keep_eager_layouts(child))
                 except Exception as e:
