@@ -368,7 +368,8 @@ class CompiledModel:
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         if eager_first(self.compile_config):
-            traces.beside = Beside(self.name, self._target, functools.partial(traces.trace, run=False))
+            trace = functools.partial(traces.trace, run=False)
+            traces.beside = Beside(self.name, self._target, trace, self.compile_config.background_priority)
             traces.beside.on_failure = self._trace_beside_failed
             traces.beside.uncovered = traces.uncovered
             traces.beside.at_exit = self.wait_ready

@@ -86,8 +86,9 @@ class CallerState:
 class Beside:
     """Eager serving and the one trace in flight beside it, for one model."""
 
-    def __init__(self, name: str, forward: Callable[..., Any], trace: Tracer) -> None:
+    def __init__(self, name: str, forward: Callable[..., Any], trace: Tracer, priority: str = "low") -> None:
         self.name = name
+        self.priority = priority  # the trace thread's CPU priority (priority.py)
         self._forward = forward
         self._trace = trace
         self._lock = threading.Lock()
@@ -173,7 +174,7 @@ class Beside:
                     return
         from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
 
-        start_thread(f"tessera-trace-{self.name}", self._run, job)
+        start_thread(f"tessera-trace-{self.name}", self._run, job, priority=self.priority)
 
     def _run(self, job: Job | None) -> None:
         if job is None:

@@ -322,7 +322,7 @@ def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
     ):
         return None
     count = split_model.config.compile_workers
-    return shared_pool(default_count() if count is None else count)
+    return shared_pool(default_count() if count is None else count, split_model.config.background_priority)
 
 
 def _sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[Size, ...]:

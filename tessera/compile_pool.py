@@ -151,10 +151,10 @@ class _Worker(threading.Thread):
 class CompilePool:
     """Worker processes, started at once and kept until this process exits."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, priority: str = "low") -> None:
         self.count = count
         self.jobs: queue.SimpleQueue[tuple[bytes, Any, queue.SimpleQueue[Reply]]] = queue.SimpleQueue()
-        self.env = _worker_env(count)
+        self.env = _worker_env(count, priority)
         self.workers = [_Worker(self, n) for n in range(count)]
         for worker in self.workers:
             worker.start()
@@ -175,8 +175,11 @@ class CompilePool:
             worker.stop()
 
 
-def _worker_env(count: int) -> dict[str, str]:
+def _worker_env(count: int, priority: str) -> dict[str, str]:
     env = dict(os.environ)
+    # Each worker lowers its own CPU priority as it starts (priority.py): it competes with the
+    # calls this process serves, as a background compile thread does.
+    env["TESSERA_BACKGROUND_PRIORITY"] = priority
     # The worker imports this very tessera, installed or not.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -193,15 +196,15 @@ _pool_lock = threading.Lock()
 os.register_at_fork(after_in_child=_pools.clear)
 
 
-def shared_pool(count: int) -> CompilePool | None:
-    """This process's pool, started with ``count`` workers on first use; None when ``count`` is 0.
-    Later calls get the same pool whatever ``count`` they ask for."""
+def shared_pool(count: int, priority: str = "low") -> CompilePool | None:
+    """This process's pool, started with ``count`` workers at ``priority`` (priority.py) on first
+    use; None when ``count`` is 0. Later calls get the same pool whatever they ask for."""
     if count <= 0:
         return None
     with _pool_lock:
         pool = _pools.get("shared")
         if pool is None:
-            pool = _pools["shared"] = CompilePool(count)
+            pool = _pools["shared"] = CompilePool(count, priority)
             # atexit runs after the interpreter joined the background compile threads (non-daemon),
             # so no job is in flight when the workers are told to stop.
             atexit.register(pool.stop)

@@ -61,7 +61,10 @@ def main() -> None:
     os.dup2(2, 1)  # what the compile prints must not corrupt the result stream
     # Inductor's imports, before the first job arrives (they overlap with the parent's trace).
     from tessera import _compat
+    from tessera.priority import lower_process
 
+    # The pool sets it (compile_pool._worker_env): a worker competes with the parent's served calls.
+    lower_process(os.environ.get("TESSERA_BACKGROUND_PRIORITY", "low"))
     _compat.preload_inductor()
     write_message(results, pickle.dumps(READY))
     while True:

@@ -14,6 +14,7 @@ from typing import Any
 from tessera import validation as v
 from tessera.errors import ConfigError
 from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE, Counted
+from tessera.priority import PRIORITIES
 
 MODES = ("none", "stock", "trace_once", "piecewise")
 BUILTIN_BACKENDS = ("inductor", "eager")
@@ -174,6 +175,14 @@ class CompileConfig:
     # the model's own forward while its trace is made in another thread (beside.py), so no call
     # waits for a compiler. False: that call waits for its trace (docs/serving.md).
     eager_first: bool = field(default_factory=lambda: not v.env_off("EAGER_FIRST"))
+    # The CPU priority of the background trace, compiles and learning, and of the compiler
+    # processes they start, so a call served meanwhile takes a core at once (priority.py): "low"
+    # (nice 19), "idle" (Linux SCHED_IDLE) or "normal". One thread is lowered on Linux only.
+    background_priority: str = field(
+        default_factory=lambda: v.env_value(
+            "BACKGROUND_PRIORITY", "low", str, lambda x: v.check_choice("background_priority", x, PRIORITIES)
+        )
+    )
     # Worker processes that compile the static sizes (compile_sizes) while this process compiles
     # the general artifacts (in the background, or up front), started on the first model that
     # needs them and kept for the process; artifacts are the same as compiled here. 0: none.
@@ -200,6 +209,7 @@ class CompileConfig:
         v.check_bool("fullgraph", self.fullgraph)
         v.check_bool("background_compile", self.background_compile)
         v.check_bool("eager_first", self.eager_first)
+        v.check_choice("background_priority", self.background_priority, PRIORITIES)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
         v.check_workers(self.compile_workers)
         v.check_max_traces(self.max_traces)

@@ -24,6 +24,7 @@ from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import CompilesInWorkers
 from tessera.config import CompileConfig, Size, size_label
 from tessera.pacing import PACER
+from tessera.priority import lower_thread
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
 
@@ -109,7 +110,12 @@ class Background:
                 then()
             return
         self.state = BackgroundState.RUNNING
-        start_thread(f"tessera-compile-{self.owner.prefix}", self._run, then)
+        start_thread(
+            f"tessera-compile-{self.owner.prefix}",
+            self._run,
+            then,
+            priority=self.owner.config.background_priority,
+        )
 
     def compile_all(self, progress: CompileProgress | None = None) -> None:
         """Compile every job and swap each artifact in as it is ready: every piece's general
@@ -214,12 +220,13 @@ class Background:
             )
 
 
-def _paced(fn: Callable[..., None], *args: Any) -> None:
+def _paced(priority: str, fn: Callable[..., None], *args: Any) -> None:
+    lower_thread(priority)
     with PACER.paced(counted=True):
         fn(*args)
 
 
-def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Thread:
+def start_thread(name: str, fn: Callable[..., None], *args: Any, priority: str) -> threading.Thread:
     """Run ``fn(*args)`` in a compile thread of its own (the background compile, the learning).
 
     Not a daemon: a process that exits first waits for it, and the cache gets every artifact. A
@@ -228,10 +235,12 @@ def start_thread(name: str, fn: Callable[..., None], *args: Any) -> threading.Th
     see _compat.isolate_fx_tracing). It runs in a copy of this thread's context: Inductor's and
     Dynamo's settings are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and
     a new thread starts with an empty context, so the user's settings, which the cache key has
-    read, would be missing from the compile. It gives way to the calls being served (pacing.py)."""
+    read, would be missing from the compile. It gives way to the calls being served (pacing.py), on
+    the GIL and, at ``priority`` (``CompileConfig.background_priority``), on the cores
+    (priority.py)."""
     _compat.isolate_fx_tracing()
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(_paced, fn, *args), name=name, daemon=False)
+    thread = threading.Thread(target=context.run, args=(_paced, priority, fn, *args), name=name, daemon=False)
     PACER.expect()
     try:
         thread.start()

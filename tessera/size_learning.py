@@ -171,7 +171,11 @@ class SizeLearning:
             if not self.idle.is_set():
                 return
             self.idle.clear()
-        start_thread(f"tessera-learn-{self.owner.prefix}", self._learn_loop)
+        start_thread(
+            f"tessera-learn-{self.owner.prefix}",
+            self._learn_loop,
+            priority=self.owner.config.background_priority,
+        )
 
     def _learn_loop(self) -> None:
         assert self.tally is not None and self.tally.learner is not None

@@ -111,3 +111,36 @@ class CodeSavingCompiler:
         if (self.cache_dir / handle).read_text() != graph.code:
             raise ValueError(f"{handle} holds another graph's code")
         return graph.forward
+
+
+class PriorityRecordingCompiler:
+    """Records, per compile, the compiling thread's name, its CPU priority (nice, scheduling
+    policy) and the nice of a process it starts (as Inductor's C++ compiler would be)."""
+
+    name = "priority-recording"
+    seen: ClassVar[list[dict[str, Any]]] = []
+
+    def compute_hash(self) -> str:
+        return "priority-recording-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        import os
+        import subprocess
+        import threading
+
+        child = subprocess.run(["nice"], capture_output=True, text=True, check=True).stdout
+        PriorityRecordingCompiler.seen.append(
+            {
+                "thread": threading.current_thread().name,
+                "nice": os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                "policy": os.sched_getscheduler(0),
+                "child_nice": int(child),
+            }
+        )
+        return graph.forward, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        return graph.forward

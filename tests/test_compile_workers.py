@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import queue
 import re
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -18,6 +20,7 @@ from tessera import counters
 from tessera.compile_jobs import JobDone, JobFailed, PieceJob, TensorSpec
 from tessera.compile_pool import CompilePool, Reply
 from tessera.models import toy_llama
+from tessera.priority import LOW_NICE
 
 FAKE_PID = 4242
 
@@ -71,7 +74,9 @@ def fake_workers(monkeypatch):
     cls.FakePool.fail = False
     cls.FakePool.jobs = []
     cls.FakePool.graphs = {}
-    monkeypatch.setattr("tessera.build.shared_pool", lambda count: cls.FakePool() if count else None)
+    monkeypatch.setattr(
+        "tessera.build.shared_pool", lambda count, priority: cls.FakePool() if count else None
+    )
     return cls  # the module tessera loads the compiler from (pytest may import this file apart)
 
 
@@ -235,6 +240,8 @@ def test_inductor_with_a_worker_equals_eager_and_the_next_start_loads_every_size
     assert compiled.wait_ready(300)
     sent = [a for a in _artifacts(compiled, "size 8") if a.source == "compiled"]
     assert sent and all(a.worker is not None for a in sent)
+    if sys.platform.startswith("linux"):  # a worker competes with the served calls: it runs low
+        assert {os.getpriority(os.PRIO_PROCESS, a.worker) for a in sent} == {LOW_NICE}
     for n in sizes:
         args = toy_llama.example_inputs(n)
         torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
@@ -267,8 +274,6 @@ def test_a_worker_that_does_not_start_fails_its_job_instead_of_hanging(monkeypat
 
 
 def test_a_forked_child_starts_its_own_pool(monkeypatch):
-    import os
-
     from tessera import compile_pool
 
     monkeypatch.setitem(compile_pool._pools, "shared", object())  # type: ignore[arg-type]

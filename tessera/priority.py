@@ -1,0 +1,62 @@
+"""The CPU priority of the work a process does beside the calls it serves.
+
+Pacing (pacing.py) keeps a background trace or compile off the GIL while a call is served, but not
+off the cores: Inductor's C++ compiler and its Python run beside the served call's intra-op
+threads, and on a small machine a call whose threads wait for a core was seen at 45x eager's
+median (the toy Llama, 2-core CPU, benchmarks/first_minute.py). So each background thread lowers
+its own priority as it starts, and the compiler processes it starts inherit it: a served call's
+threads then take a core the moment they want one.
+
+- ``"low"`` (the default): nice 19. The background still gets a share of a busy machine (about
+  1.5% of a core per busy thread), so a compile finishes under any load, and a background thread
+  that holds the GIL when a call starts is not starved for long.
+- ``"idle"``: Linux's ``SCHED_IDLE``: the background runs only on a core nothing else wants.
+  Measured no better than ``"low"`` on the 2-core CPU; on a machine kept busy, a background thread
+  holding the GIL can then keep a served call waiting until a core frees.
+- ``"normal"``: unchanged.
+
+Only Linux lowers one thread (elsewhere a priority is the whole process's, so a thread is left
+as it is); compile worker processes (compile_pool.py) are lowered whole, on any POSIX system. A
+priority, once lowered, stays so for the thread's life: each background thread is tessera's own
+and ends with its work. Threads it starts (Inductor's kernel-compile pool) inherit it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+PRIORITIES = ("low", "idle", "normal")
+LOW_NICE = 19
+
+
+def lower_thread(priority: str) -> bool:
+    """Lower the calling thread's CPU priority to ``priority``; True when it was lowered."""
+    if priority == "normal" or not sys.platform.startswith("linux"):
+        return False
+    return _lower(threading.get_native_id(), priority)
+
+
+def lower_process(priority: str) -> bool:
+    """Lower this whole process's CPU priority (a compile worker, as it starts)."""
+    if priority == "normal" or not hasattr(os, "setpriority"):
+        return False
+    return _lower(0, priority)
+
+
+def _lower(who: int, priority: str) -> bool:
+    # On Linux a thread is a task of its own: PRIO_PROCESS and sched_setscheduler with a thread's
+    # id (or 0, the caller) change that thread only; elsewhere ``who`` 0 is the process.
+    try:
+        if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(who, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.setpriority(os.PRIO_PROCESS, who, LOW_NICE)
+    except OSError as e:  # a sandbox that forbids it: the background runs at the caller's priority
+        log.debug("cannot lower the priority of %s to %r: %s", who or "this process", priority, e)
+        return False
+    return True
