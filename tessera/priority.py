@@ -2,8 +2,9 @@
 
 Pacing (pacing.py) keeps a background trace or compile off the GIL while a call is served, but not
 off the cores: Inductor's C++ compiler and its Python run beside the served call's intra-op
-threads, and on a small machine a call whose threads wait for a core was seen at 45x eager's
-median (the toy Llama, 2-core CPU, benchmarks/first_minute.py). So each background thread lowers
+threads, and on a small machine those wait for a core (the toy Llama, 2-core CPU: 267 of 1,968
+first-minute calls over 2x eager's median; 55 of 2,229 at "low", benchmarks/first_minute.py,
+docs/serving.md). So each background thread lowers
 its own priority as it starts, and the compiler processes it starts inherit it: a served call's
 threads then take a core the moment they want one.
 
@@ -11,14 +12,16 @@ threads then take a core the moment they want one.
   1.5% of a core per busy thread), so a compile finishes under any load, and a background thread
   that holds the GIL when a call starts is not starved for long.
 - ``"idle"``: Linux's ``SCHED_IDLE``: the background runs only on a core nothing else wants.
-  Measured no better than ``"low"`` on the 2-core CPU; on a machine kept busy, a background thread
-  holding the GIL can then keep a served call waiting until a core frees.
+  No better than ``"low"`` in two 40 s runs of the toy Llama on the 2-core CPU; on a machine kept
+  busy, a background thread holding the GIL can then keep a served call waiting until a core frees.
 - ``"normal"``: unchanged.
 
 Only Linux lowers one thread (elsewhere a priority is the whole process's, so a thread is left
 as it is); compile worker processes (compile_pool.py) are lowered whole, on any POSIX system. A
 priority, once lowered, stays so for the thread's life: each background thread is tessera's own
-and ends with its work. Threads it starts (Inductor's kernel-compile pool) inherit it.
+and ends with its work. Threads it starts inherit it, Inductor's kernel-compile pool among them:
+a later compile in this process that uses that pool runs low too, and a pool started earlier by a
+thread at normal priority (the user's own ``torch.compile``) keeps its priority.
 """
 
 from __future__ import annotations
