@@ -239,6 +239,7 @@ def start_thread(name: str, fn: Callable[..., None], *args: Any, priority: str) 
     the GIL and, at ``priority`` (``CompileConfig.background_priority``), on the cores
     (priority.py)."""
     _compat.isolate_fx_tracing()
+    _compat.settle_device_guards()
     context = contextvars.copy_context()
     thread = threading.Thread(target=context.run, args=(_paced, priority, fn, *args), name=name, daemon=False)
     PACER.expect()

@@ -479,3 +479,22 @@ def test_the_fx_tracing_flag_is_per_thread_after_isolation():
         finish.set()
         thread.join(30)
     assert seen == [[True, True]]
+
+
+def test_a_background_thread_finds_the_device_guard_set_by_the_thread_that_started_it(monkeypatch):
+    # torch 2.11's CUDA build without a GPU crashed when a background trace was the first to set
+    # the no-op CUDA device guard (FakeTensorMode.__enter__): the starting thread sets it first.
+    import threading
+
+    from tessera.schedule import start_thread
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", lambda: calls.append(threading.get_ident()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _compat.settle_device_guards.cache_clear()
+    try:
+        seen: list[list[int]] = []
+        start_thread("tessera-test", lambda: seen.append(list(calls)), priority="normal").join()
+        assert seen == [[threading.get_ident()]]  # set once, by the starter, before the thread ran
+    finally:
+        _compat.settle_device_guards.cache_clear()

@@ -36,6 +36,7 @@ from tessera._compat.fx import (
     isolate_fx_patches as isolate_fx_patches,
     isolate_fx_tracing as isolate_fx_tracing,
     isolate_fx_tracing_flag as isolate_fx_tracing_flag,
+    settle_device_guards as settle_device_guards,
 )
 from tessera._compat.guards import (
     AUTOCAST_DEVICES as AUTOCAST_DEVICES,

@@ -143,6 +143,22 @@ def _in_this_thread_only(patched: Callable[..., Any], previous: Callable[..., An
     return this_thread_only
 
 
+@functools.cache
+def settle_device_guards() -> None:
+    """Install the no-op CUDA device guard a fake-tensor trace installs, from the calling thread,
+    before a background thread traces.
+
+    Reason: without a usable GPU, ``FakeTensorMode.__enter__`` calls the private
+    ``torch._C._ensureCUDADeviceGuardSet()``. On a CUDA build of torch 2.11 with no GPU, its first
+    call in a thread other than the main one crashed the process (a segfault, seen in the trace
+    made beside eager, tests/test_eager_first.py); once called on the main thread, later calls
+    in any thread were fine. So the thread that starts a background thread calls it first, under
+    the same condition torch does. Checked on torch 2.11 (CUDA build, no GPU) and 2.13 (CPU)."""
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is not None and not torch.cuda.is_available():
+        ensure()
+
+
 def isolate_fx_tracing() -> None:
     """What one thread's FX trace changes process-wide, seen by that thread only: the tracing flag
     (``isolate_fx_tracing_flag``) and the patched ``nn.Module`` methods (``isolate_fx_patches``).
