@@ -368,8 +368,9 @@ class CompiledModel:
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         if eager_first(self.compile_config):
-            trace = functools.partial(traces.trace, run=False)
-            traces.beside = Beside(self.name, self._target, trace, self.compile_config.background_priority)
+            traces.beside = Beside(
+                self.name, self._target, traces.trace_beside, self.compile_config.background_priority
+            )
             traces.beside.on_failure = self._trace_beside_failed
             traces.beside.uncovered = traces.uncovered
             traces.beside.at_exit = self.wait_ready
@@ -437,7 +438,13 @@ class CompiledModel:
     def _make_traces(self) -> Traces:
         config = self.compile_config
         context = TraceContext.open(
-            config, self._func, self._bound_to, self._dynamic_dims, self.prefix, self.startup_phases
+            config,
+            self._func,
+            self._bound_to,
+            self._dynamic_dims,
+            self.prefix,
+            self.startup_phases,
+            defer_fetch=eager_first(config),  # the store is asked beside eager's first output
         )
         model = Model(
             self.name,

@@ -28,6 +28,9 @@ class TraceContext:
     prefix: str
     fingerprint: str | None
     remote: RemoteTier | None
+    # The fleet's pointer is still to fetch (``open(defer_fetch=True)``): the first call is served
+    # eagerly meanwhile, and the trace made beside it fetches the pointer first (traces.py).
+    fetch_deferred: bool = False
 
     @classmethod
     def open(
@@ -38,12 +41,15 @@ class TraceContext:
         dynamic_dims: Any,
         prefix: str | None,
         phases: dict[str, float],
+        defer_fetch: bool = False,
     ) -> TraceContext:
         """The context of a model's traces: its compiler, cache places and fingerprint (timed in
-        ``phases``), and the remote tier's pointer to its saved traces, fetched."""
+        ``phases``), and the remote tier's pointer to its saved traces, fetched; ``defer_fetch``:
+        left to ``fetch_fleet`` (a request to the store is not made before eager's first output)."""
         from tessera.cache.entry import rank_dir
         from tessera.cache.fleet import cache_places, fetch_pointer
         from tessera.cache.key import fingerprint_record
+        from tessera.cache.pointer import pointer_path
         from tessera.compile_state import between_compiles
         from tessera.compilers import make_compiler, warm_hash
 
@@ -52,6 +58,7 @@ class TraceContext:
         root, remote = places.root, places.remote
         prefix = prefix or "model"
         print_ = None
+        deferred = False
         if root is not None:
             start = time.perf_counter()
             with between_compiles():  # another model's compile must not lend us its config patches
@@ -59,9 +66,18 @@ class TraceContext:
                     func, bound_to, dynamic_dims, config, warm_hash(compiler), prefix, rank_dir()
                 ).digest
             phases["fingerprint"] = time.perf_counter() - start
-            if remote is not None:
+            if remote is not None and defer_fetch:
+                deferred = not pointer_path(root, print_).exists()
+            elif remote is not None:
                 fetch_pointer(remote, root, print_)
-        return cls(compiler, root, prefix, print_, remote)
+        return cls(compiler, root, prefix, print_, remote, deferred)
+
+    def fetch_fleet(self) -> None:
+        """The fleet's pointer and the entry it names, into the local cache (``open`` deferred it)."""
+        from tessera.cache.fleet import fetch_pointer
+
+        if self.fetch_deferred and self.remote is not None and self.root is not None and self.fingerprint:
+            fetch_pointer(self.remote, self.root, self.fingerprint)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,8 @@ class Traces:
         # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
         self.beside: Beside | None = None  # eager first: calls no entry covers (beside.py)
+        self._fleet_pending = context.fetch_deferred  # the fleet's traces, still to fetch
+        self._fetch_lock = threading.Lock()  # one fetch; the lock above is never held over it
 
     # -- making entries ---------------------------------------------------------------------
     def load_saved(self) -> OtherPath | None:
@@ -129,12 +131,47 @@ class Traces:
         found = warm.load(
             self.config, context.root, context.prefix, context.fingerprint, self.model.traced_fn
         )
-        self.warm_refused = found.refused
-        for trace in found.traces:
-            fast = functools.partial(trace.call, self.model.target)
-            self.held.append(self._entry(trace.spec, fast, trace.split_model, trace.reason, loaded=True))
-        self.plan = merged_plans(self.plan, plan_from_json(warm.load_plan(context.root, context.fingerprint)))
+        plan = plan_from_json(warm.load_plan(context.root, context.fingerprint))
+        with self._lock:
+            self.warm_refused = found.refused
+            for trace in found.traces:
+                fast = functools.partial(trace.call, self.model.target)
+                self.held.append(self._entry(trace.spec, fast, trace.split_model, trace.reason, loaded=True))
+            self.plan = merged_plans(self.plan, plan)
         return found.other_path
+
+    def fetch_fleet(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | None:
+        """Where the fleet's pointer is still to fetch (``TraceContext.fetch_deferred``): fetch it,
+        hold the traces it leads to, and serve from now on the one that covers this call; that
+        entry, or None (the call is traced). Done once, by whichever thread traces first."""
+        with self._fetch_lock:
+            if not self._fleet_pending:
+                return None
+            self.context.fetch_fleet()
+            other = self.load_saved()
+            self._fleet_pending = False
+        if other is not None:  # graph breaks: the trace fails again, and the guarded path serves
+            log.info("%s: %s (recorded by the fleet)", self.model.name, other)
+            return None
+        with self._lock:
+            entry = self._adopt_saved(args, kwargs)
+            if entry is not None:
+                self._serving(entry)
+                return entry
+            if self.held:
+                counters.bump("warm_start_fallbacks")  # the fleet's traces, none for this call
+                nearest = self._nearest(args, kwargs, among=self.held)
+                self.warm_refused = f"this call differs from the fleet's traces: {nearest.words}"
+                log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
+        return None
+
+    def trace_beside(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
+    ) -> None:
+        """The trace made beside eager (beside.py): of the fleet's traces, the one that covers the
+        call serves it if there is one (nothing traced); else the call is traced, not run."""
+        if self.fetch_fleet(args, kwargs) is None:
+            self.trace(args, kwargs, reason, mismatches, run=False)
 
     def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first call: served by a saved trace that covers it, else by a new trace."""
@@ -154,7 +191,14 @@ class Traces:
     ) -> Any:
         """A call no entry covers: served eagerly and traced beside it (eager first), else traced."""
         served = self.beside.serve(args, kwargs, reason, mismatches) if self.beside is not None else None
-        return served[0] if served is not None else self.trace(args, kwargs, reason, mismatches)
+        if served is not None:
+            return served[0]
+        fleet = self.fetch_fleet(args, kwargs)  # traced on this thread: the fleet's traces first
+        if fleet is not None:
+            found = self._serve_existing(args, kwargs, among=[fleet])
+            assert found is not None, "the fleet's entry was adopted for this call"
+            return found[0]
+        return self.trace(args, kwargs, reason, mismatches)
 
     def trace(
         self,
@@ -350,16 +394,21 @@ class Traces:
         counts against ``max_traces`` from then on, as a trace made here would); None if none does.
         A saved trace past the limit is refused as a new trace would be."""
         with self._lock:
-            for held in reversed(self.held):  # the newest first: the widest
-                served = self._serve_existing(args, kwargs, among=[held], serve=False)
-                if served is None:
-                    continue
-                if len(self.entries) >= self.config.max_traces:
-                    return None  # the caller refuses it, naming the limit
-                self.held.remove(held)
-                entry = dataclasses.replace(held, number=self._next_number())
-                self.entries = (*self.entries, entry)
-                return self._serve_existing(args, kwargs, among=[entry])
+            entry = self._adopt_saved(args, kwargs)
+            return None if entry is None else self._serve_existing(args, kwargs, among=[entry])
+
+    def _adopt_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | None:
+        """The saved trace that covers this call, made one of the model's entries; None if none
+        does, or the limit is reached (caller holds the lock)."""
+        for held in reversed(self.held):  # the newest first: the widest
+            if self._serve_existing(args, kwargs, among=[held], serve=False) is None:
+                continue
+            if len(self.entries) >= self.config.max_traces:
+                return None  # the caller refuses it, naming the limit
+            self.held.remove(held)
+            entry = dataclasses.replace(held, number=self._next_number())
+            self.entries = (*self.entries, entry)
+            return entry
         return None
 
     def _entry(

@@ -148,6 +148,85 @@ def test_a_warm_start_from_the_remote_tier_alone(tmp_path, redis_server):
     assert warm.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
 
 
+class HeldFetch:
+    """The fleet's pointer fetch, held at a gate until the test lets it go."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tessera.cache import fleet
+
+        self.asked, self.gate = threading.Event(), threading.Event()
+        self.threads: list[str] = []
+        real = fleet.fetch_pointer
+
+        def held(*args):
+            self.threads.append(threading.current_thread().name)
+            self.asked.set()
+            assert self.gate.wait(60), "the test never let the fetch go"
+            return real(*args)
+
+        monkeypatch.setattr(fleet, "fetch_pointer", held)
+
+
+def _check_calls(compiled, model, sizes=(3, 8, 5)) -> None:
+    for n in sizes:
+        ids, pos = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+
+
+@pytest.mark.parametrize("published", [True, False], ids=["fleet has it", "fleet is empty"])
+def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_server, monkeypatch, published):
+    """With eager first (the defaults), a replica's first output waits for no request to the
+    store: eager serves it while the trace thread fetches the fleet's pointer, then the fleet's
+    trace serves (nothing traced) or, with none, the call is traced and compiled as on a cold start."""
+    if published:
+        _compile_and_check(tmp_path / "first", redis_server.url)
+    tessera.counters.reset()
+    fetch = HeldFetch(monkeypatch)
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(
+        model,
+        backend="eager",
+        cache_dir=str(tmp_path / "second"),
+        cache_remote=redis_server.url,
+        background_compile=True,
+    )
+    ids, pos = toy_llama.example_inputs(7)
+    torch.testing.assert_close(compiled(ids, pos), model(ids, pos))  # the fetch is held meanwhile
+    assert fetch.asked.wait(30) and fetch.threads == [f"tessera-trace-{compiled.name}"]
+    assert tessera.counters.snapshot()["served_eagerly"] == 1
+    _check_calls(compiled, model)  # served eagerly while the fetch is held
+    fetch.gate.set()
+    assert compiled.wait_ready(120)
+    _check_calls(compiled, model)
+    seen = tessera.counters.snapshot()
+    assert compiled.warm_start is published
+    assert seen["graphs_traced"] == (0 if published else 1)
+    assert (seen["eager_compiles"] == 0) is published
+
+
+def test_a_call_traced_on_its_own_thread_fetches_the_fleet_first(tmp_path, redis_server, monkeypatch):
+    """A first call that cannot be traced in another thread (under a torch-function mode) is
+    traced where it is made, after the fleet's pointer: the fleet's trace serves it."""
+    with torch.device("cpu"):  # the mode is part of what a trace assumed of its calls
+        _compile_and_check(tmp_path / "first", redis_server.url)
+    tessera.counters.reset()
+    fetch = HeldFetch(monkeypatch)
+    fetch.gate.set()
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(
+        model,
+        backend="eager",
+        cache_dir=str(tmp_path / "second"),
+        cache_remote=redis_server.url,
+        background_compile=True,
+    )
+    ids, pos = toy_llama.example_inputs(7)
+    with torch.device("cpu"):
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+    assert fetch.threads == [threading.current_thread().name]
+    assert compiled.warm_start is True and tessera.counters.snapshot()["graphs_traced"] == 0
+
+
 @pytest.mark.parametrize("tamper", ["unsigned", "wrong key", "edited manifest"])
 def test_with_a_signing_key_nothing_unsigned_or_tampered_is_used(tmp_path, redis_server, monkeypatch, tamper):
     if tamper == "unsigned":
