@@ -30,6 +30,27 @@ def test_import_tessera_imports_neither_dynamo_nor_inductor():
     assert json.loads(out.stdout) == []
 
 
+@pytest.mark.parametrize("collector", ["enabled", "disabled"])
+def test_the_first_use_imports_with_the_collector_paused_and_leaves_it_as_it_was(collector):
+    """The machinery ``tessera.compile`` imports at its first use runs no full collection of
+    torch's heap (nothing of it is garbage), and the collector is left as the user had it."""
+    code = (
+        "import gc, importlib, json, tessera\n"
+        f"{'gc.disable()' if collector == 'disabled' else ''}\n"
+        "seen = []\n"
+        "real = importlib.import_module\n"
+        "importlib.import_module = lambda name, *a: (seen.append(gc.isenabled()), real(name, *a))[1]\n"
+        "tessera.compile\n"
+        "print(json.dumps([seen, gc.isenabled(), 'tessera.api' in __import__('sys').modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=120
+    )
+    seen, after, imported = json.loads(out.stdout)
+    assert seen and not any(seen) and imported  # every import made meanwhile, too
+    assert after is (collector == "enabled")
+
+
 def test_index_round_trips_and_rejects_wrong_types():
     parsed = index.Index(created=1.0)
     parsed.entries[("general", 0, "inductor")] = index.ArtifactRecord("artifacts/a.bin", "ab" * 32, 10, "c1")
