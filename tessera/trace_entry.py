@@ -3,6 +3,7 @@ and one trace (``TraceEntry``)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import types
@@ -136,4 +137,45 @@ def changed_arguments(
         path
         for path, tensor in top_level_tensors(args, kwargs)
         if before.get(path, -1) != _compat.version_counter(tensor)
+    )
+
+
+def make_entry(
+    model: Model,
+    context: TraceContext,
+    number: int,
+    spec: call_check.CallSpec,
+    fast: Callable[..., Any],
+    split_model: SplitModel,
+    reason: str,
+    *,
+    loaded: bool,
+    code: types.CodeType | None = None,
+    mutated: frozenset[tuple[str, str]] = frozenset(),
+    timed: tuple[float, float] = (0.0, 0.0),
+) -> TraceEntry:
+    """Trace ``number`` of ``model``: its check bound to the model, and the sizes its pieces learn
+    recorded for the next process."""
+    from tessera import warm
+
+    bound = spec.bind(model.target, _compat.guard_globals(model.traced_fn.__globals__))
+    learning = split_model.learning
+    if context.root is not None and context.fingerprint is not None and learning.learnt_sink is None:
+        learning.learnt_sink = functools.partial(
+            warm.save_sizes, context.root, context.fingerprint, context.remote
+        )
+    return TraceEntry(
+        number=number,
+        reason=reason,
+        spec=spec,
+        fast=fast,
+        accepts=call_check.make_predicate(spec, bound),
+        bound=bound,
+        tensors=call_check.tensor_reader(spec, bound),
+        split_model=split_model,
+        loaded=loaded,
+        code=code,
+        mutated=mutated,
+        started=timed[0],
+        seconds=timed[1],
     )

@@ -25,7 +25,6 @@ import itertools
 import logging
 import threading
 import time
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -35,25 +34,30 @@ from tessera import _compat, call_args, call_check, call_shapes, counters, warm
 from tessera.assumption import Mismatch
 from tessera.beside import Beside
 from tessera.cache.artifact import ArtifactFate, ArtifactState
-from tessera.cache.pointer import OtherPath
 from tessera.compile_state import COMPILE_LOCK
 from tessera.config import CompileConfig
 from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
 from tessera.receiver import GraphReceiver
 from tessera.report import TraceSpan
+from tessera.saved_traces import SavedTraces
 from tessera.split_model import SplitModel
 from tessera.trace_check import TracedAtOne, recorder
-from tessera.trace_entry import Model, TraceContext, TraceEntry, changed_arguments, versions
+from tessera.trace_entry import (
+    Model,
+    TraceContext,
+    TraceEntry,
+    changed_arguments,
+    make_entry,
+    versions,
+)
 from tessera.trace_plan import (
     TracePlan,
     dims_for,
     hinted,
     mark_call,
-    merged_plans,
     nested_tensors,
     newcomer_dims,
-    plan_from_json,
     plan_to_json,
     widened,
 )
@@ -77,7 +81,7 @@ from tessera.wrapper import (
 log = logging.getLogger(__name__)
 
 
-class Traces:
+class Traces(SavedTraces):
     """Every trace of one model, and the routing of its calls between them.
 
     ``install(entry)`` is called with the entry that serves next (the face builds its call from
@@ -122,49 +126,6 @@ class Traces:
         self._fetch_lock = threading.Lock()  # one fetch; the lock above is never held over it
 
     # -- making entries ---------------------------------------------------------------------
-    def load_saved(self) -> OtherPath | None:
-        """Add every trace an earlier process saved for this fingerprint that loads here; the path
-        an earlier process recorded the model to run on instead, if one did (graph breaks)."""
-        context = self.context
-        if context.root is None or context.fingerprint is None:
-            return None
-        found = warm.load(
-            self.config, context.root, context.prefix, context.fingerprint, self.model.traced_fn
-        )
-        plan = plan_from_json(warm.load_plan(context.root, context.fingerprint))
-        with self._lock:
-            self.warm_refused = found.refused
-            for trace in found.traces:
-                fast = functools.partial(trace.call, self.model.target)
-                self.held.append(self._entry(trace.spec, fast, trace.split_model, trace.reason, loaded=True))
-            self.plan = merged_plans(self.plan, plan)
-        return found.other_path
-
-    def fetch_fleet(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | None:
-        """Where the fleet's pointer is still to fetch (``TraceContext.fetch_deferred``): fetch it,
-        hold the traces it leads to, and serve from now on the one that covers this call; that
-        entry, or None (the call is traced). Done once, by whichever thread traces first."""
-        with self._fetch_lock:
-            if not self._fleet_pending:
-                return None
-            self.context.fetch_fleet()
-            other = self.load_saved()
-            self._fleet_pending = False
-        if other is not None:  # graph breaks: the trace fails again, and the guarded path serves
-            log.info("%s: %s (recorded by the fleet)", self.model.name, other)
-            return None
-        with self._lock:
-            entry = self._adopt_saved(args, kwargs)
-            if entry is not None:
-                self._serving(entry)
-                return entry
-            if self.held:
-                counters.bump("warm_start_fallbacks")  # the fleet's traces, none for this call
-                nearest = self._nearest(args, kwargs, among=self.held)
-                self.warm_refused = f"this call differs from the fleet's traces: {nearest.words}"
-                log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
-        return None
-
     def trace_beside(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
     ) -> None:
@@ -342,7 +303,10 @@ class Traces:
         if split_model.dumps is not None:
             split_model.dumps.transformed_code(trace.code)
         fast = functools.partial(trace.call, model.target)
-        entry = self._entry(
+        entry = make_entry(
+            model,
+            context,
+            self._next_number(),
             spec,
             fast,
             split_model,
@@ -370,85 +334,11 @@ class Traces:
 
     def _save(self, entry: TraceEntry) -> None:
         """Once every size of ``entry`` is compiled: its whole-model artifact, for the next process."""
-        context = self.context
-        if context.root is None or context.fingerprint is None or entry.code is None:
-            return
-        warm.save(
-            entry.split_model,
-            context.root,
-            context.fingerprint,
-            self.model.traced_fn,
-            entry.code,
-            entry.spec,
-            entry.reason,
-            context.remote,
-            plan_to_json(self.plan),
-        )
+        warm.save_entry(self.context, self.model.traced_fn, entry, plan_to_json(self.plan))
 
     def _next_number(self) -> int:
         self._numbered += 1
         return self._numbered
-
-    def _take_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
-        """The output of a saved trace that covers this call, made one of the model's entries (it
-        counts against ``max_traces`` from then on, as a trace made here would); None if none does.
-        A saved trace past the limit is refused as a new trace would be."""
-        with self._lock:
-            entry = self._adopt_saved(args, kwargs)
-            return None if entry is None else self._serve_existing(args, kwargs, among=[entry])
-
-    def _adopt_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | None:
-        """The saved trace that covers this call, made one of the model's entries; None if none
-        does, or the limit is reached (caller holds the lock)."""
-        for held in reversed(self.held):  # the newest first: the widest
-            if self._serve_existing(args, kwargs, among=[held], serve=False) is None:
-                continue
-            if len(self.entries) >= self.config.max_traces:
-                return None  # the caller refuses it, naming the limit
-            self.held.remove(held)
-            entry = dataclasses.replace(held, number=self._next_number())
-            self.entries = (*self.entries, entry)
-            return entry
-        return None
-
-    def _entry(
-        self,
-        spec: call_check.CallSpec,
-        fast: Callable[..., Any],
-        split_model: SplitModel,
-        reason: str,
-        *,
-        loaded: bool,
-        code: types.CodeType | None = None,
-        mutated: frozenset[tuple[str, str]] = frozenset(),
-        timed: tuple[float, float] = (0.0, 0.0),
-    ) -> TraceEntry:
-        bound = spec.bind(self.model.target, _compat.guard_globals(self.model.traced_fn.__globals__))
-        context = self.context
-        if (
-            context.root is not None
-            and context.fingerprint is not None
-            and split_model.learning.learnt_sink is None
-        ):
-            split_model.learning.learnt_sink = functools.partial(
-                warm.save_sizes, context.root, context.fingerprint, context.remote
-            )
-        entry = TraceEntry(
-            number=self._next_number(),
-            reason=reason,
-            spec=spec,
-            fast=fast,
-            accepts=call_check.make_predicate(spec, bound),
-            bound=bound,
-            tensors=call_check.tensor_reader(spec, bound),
-            split_model=split_model,
-            loaded=loaded,
-            code=code,
-            mutated=mutated,
-            started=timed[0],
-            seconds=timed[1],
-        )
-        return entry
 
     def choose(self, values: dict[str, Any]) -> DynamicChoice:
         """The dims marked dynamic for a trace of this call (trace_plan.dims_for)."""

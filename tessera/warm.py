@@ -137,6 +137,24 @@ def save(
         publish(remote, root, fingerprint, split_model.entry)
 
 
+def save_entry(context: Any, traced_fn: types.FunctionType, entry: Any, plan: dict[str, Any]) -> None:
+    """Once every size of a trace (``trace_entry.TraceEntry``) made here is compiled: its
+    whole-model artifact and pointer, for the next process (``save``)."""
+    if context.root is None or context.fingerprint is None or entry.code is None:
+        return
+    save(
+        entry.split_model,
+        context.root,
+        context.fingerprint,
+        traced_fn,
+        entry.code,
+        entry.spec,
+        entry.reason,
+        context.remote,
+        plan,
+    )
+
+
 def save_sizes(root: Path, fingerprint: str, remote: RemoteTier | None, split_model: SplitModel) -> None:
     """After a size is learnt or retired: the learnt sizes beside the fingerprint's traces (and,
     with a remote tier, the entry's new artifacts and the pointer), for the next process."""
