@@ -105,10 +105,10 @@ def _imported(module: str) -> Any:
     for them."""
     import gc
 
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         return importlib.import_module(module)
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()

@@ -14,6 +14,7 @@ from typing import Any
 from tessera import counters, warm
 from tessera.cache.pointer import OtherPath
 from tessera.config import CompileConfig
+from tessera.errors import first_line
 from tessera.trace_entry import Model, TraceContext, TraceEntry, make_entry
 from tessera.trace_plan import TracePlan, merged_plans, plan_from_json
 from tessera.trace_route import Nearest
@@ -34,7 +35,9 @@ class SavedTraces:
     warm_refused: str | None
     _lock: threading.RLock
     _fleet_pending: bool  # the fleet's traces, still to fetch
-    _fetch_lock: threading.Lock  # one fetch; ``_lock`` is never held over it
+    # One fetch. The trace thread takes it, then ``_lock``; the calling thread, under ``_lock``
+    # (the first call's), takes it only when no trace is in flight beside eager (``Beside.busy``).
+    _fetch_lock: threading.Lock
 
     def _next_number(self) -> int:
         raise NotImplementedError
@@ -85,30 +88,44 @@ class SavedTraces:
             self.plan = merged_plans(self.plan, plan)
         return found.other_path
 
-    def fetch_fleet(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | None:
+    def fetch_fleet(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> TraceEntry | Nearest | None:
         """Where the fleet's pointer is still to fetch (``TraceContext.fetch_deferred``): fetch it,
-        hold the traces it leads to, and serve from now on the one that covers this call; that
-        entry, or None (the call is traced). Done once, by whichever thread traces first."""
+        hold the traces it leads to, and serve from now on the one that covers this call. That
+        entry; or, where the fleet's traces cover another call, the nearest (the call is traced with
+        what it changed, as at a warm start); None: nothing fetched. Done once, by whichever thread
+        traces first. A failure is said once and leaves the local cache alone to serve."""
         with self._fetch_lock:
             if not self._fleet_pending:
                 return None
-            self.context.fetch_fleet()
-            other = self.load_saved()
-            self._fleet_pending = False
-        if other is not None:  # graph breaks: the trace fails again, and the guarded path serves
-            log.info("%s: %s (recorded by the fleet)", self.model.name, other)
+            try:
+                if not self.context.fetch_fleet():
+                    return None
+                other = self.load_saved()
+            except Exception as e:  # the fleet is a cache: never a reason not to trace
+                log.warning(
+                    "%s: the fleet's traces were not fetched (%s); tracing the call",
+                    self.model.name,
+                    first_line(e),
+                    exc_info=log.isEnabledFor(logging.DEBUG),
+                )
+                return None
+            finally:
+                self._fleet_pending = False
+        if other is not None:  # recorded meanwhile by another process here: graph breaks
+            log.info("%s: %s (recorded by another process)", self.model.name, other)
             return None
         with self._lock:
             entry = self._adopt_saved(args, kwargs)
             if entry is not None:
                 self._serving(entry)
                 return entry
-            if self.held:
-                counters.bump("warm_start_fallbacks")  # the fleet's traces, none for this call
-                nearest = self._nearest(args, kwargs, among=self.held)
-                self.warm_refused = f"this call differs from the fleet's traces: {nearest.words}"
-                log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
-        return None
+            if not self.held:
+                return None
+            counters.bump("warm_start_fallbacks")  # the fleet's traces, none for this call
+            nearest = self._nearest(args, kwargs, among=self.held)
+            self.warm_refused = f"this call differs from the fleet's traces: {nearest.words}"
+            log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
+            return nearest
 
     def _take_saved(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any] | None:
         """The output of a saved trace that covers this call, made one of the model's entries (it

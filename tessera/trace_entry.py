@@ -73,12 +73,14 @@ class TraceContext:
                 fetch_pointer(remote, root, print_)
         return cls(compiler, root, prefix, print_, remote, deferred)
 
-    def fetch_fleet(self) -> None:
-        """The fleet's pointer and the entry it names, into the local cache (``open`` deferred it)."""
+    def fetch_fleet(self) -> bool:
+        """The fleet's pointer and the entry it names, into the local cache (``open`` deferred it);
+        whether they were fetched."""
         from tessera.cache.fleet import fetch_pointer
 
         if self.fetch_deferred and self.remote is not None and self.root is not None and self.fingerprint:
-            fetch_pointer(self.remote, self.root, self.fingerprint)
+            return fetch_pointer(self.remote, self.root, self.fingerprint)
+        return False
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ class Traces(SavedTraces):
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
         self.beside: Beside | None = None  # eager first: calls no entry covers (beside.py)
         self._fleet_pending = context.fetch_deferred  # the fleet's traces, still to fetch
-        self._fetch_lock = threading.Lock()  # one fetch; the lock above is never held over it
+        self._fetch_lock = threading.Lock()  # one fetch of the fleet's traces (saved_traces.py)
 
     # -- making entries ---------------------------------------------------------------------
     def trace_beside(
@@ -131,8 +131,12 @@ class Traces(SavedTraces):
     ) -> None:
         """The trace made beside eager (beside.py): of the fleet's traces, the one that covers the
         call serves it if there is one (nothing traced); else the call is traced, not run."""
-        if self.fetch_fleet(args, kwargs) is None:
-            self.trace(args, kwargs, reason, mismatches, run=False)
+        found = self.fetch_fleet(args, kwargs)
+        if isinstance(found, TraceEntry):
+            return
+        if found is not None:
+            reason, mismatches = found.words, found.mismatches
+        self.trace(args, kwargs, reason, mismatches, run=False)
 
     def first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The first call: served by a saved trace that covers it, else by a new trace."""
@@ -155,10 +159,12 @@ class Traces(SavedTraces):
         if served is not None:
             return served[0]
         fleet = self.fetch_fleet(args, kwargs)  # traced on this thread: the fleet's traces first
-        if fleet is not None:
+        if isinstance(fleet, TraceEntry):
             found = self._serve_existing(args, kwargs, among=[fleet])
             assert found is not None, "the fleet's entry was adopted for this call"
             return found[0]
+        if fleet is not None:
+            reason, mismatches = fleet.words, fleet.mismatches
         return self.trace(args, kwargs, reason, mismatches)
 
     def trace(

@@ -204,6 +204,50 @@ def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_serv
     assert (seen["eager_compiles"] == 0) is published
 
 
+def _defaults_on(root: Path, remote: str, model) -> tessera.CompiledModel:
+    return tessera.compile(
+        model, backend="eager", cache_dir=str(root), cache_remote=remote, background_compile=True
+    )
+
+
+def test_a_first_call_the_fleets_traces_do_not_cover_is_traced_with_what_it_changed(tmp_path, redis_server):
+    """Fetched beside eager, the fleet's traces are those of a warm start: a first call none
+    covers is traced for what it changed (named in its reason), and they serve the calls they do."""
+    _compile_and_check(tmp_path / "first", redis_server.url)
+    tessera.counters.reset()
+    model = toy_llama.build(num_layers=1)
+    compiled = _defaults_on(tmp_path / "second", redis_server.url, model)
+    ids, pos = toy_llama.example_inputs(7)
+    torch.testing.assert_close(compiled(ids.int(), pos), model(ids.int(), pos))
+    assert compiled.wait_ready(120)
+    (trace,) = compiled.report.traces
+    assert trace.source == "traced" and "dtype" in trace.reason, trace.reason
+    assert tessera.counters.snapshot()["warm_start_fallbacks"] == 1
+    _check_calls(compiled, model)  # int64 ids: the fleet's trace, taken as a call needs it
+    assert tessera.counters.snapshot()["graphs_traced"] == 1
+    assert sorted(t.source for t in compiled.report.traces) == ["loaded", "traced"]
+
+
+def test_a_fleet_fetch_that_fails_leaves_the_model_traced_as_on_a_cold_start(
+    tmp_path, redis_server, monkeypatch, caplog
+):
+    from tessera.cache import fleet
+
+    def broken(*args):
+        raise RuntimeError("a pointer nobody could read")
+
+    monkeypatch.setattr(fleet, "fetch_pointer", broken)
+    model = toy_llama.build(num_layers=1)
+    compiled = _defaults_on(tmp_path / "root", redis_server.url, model)
+    with caplog.at_level("WARNING", logger="tessera"):
+        _check_calls(compiled, model)
+        assert compiled.wait_ready(120)
+    _check_calls(compiled, model)
+    said = [r.getMessage() for r in caplog.records if "fleet's traces were not fetched" in r.getMessage()]
+    assert len(said) == 1 and "a pointer nobody could read" in said[0]
+    assert tessera.counters.snapshot()["graphs_traced"] == 1 and compiled.report.traces[0].source == "traced"
+
+
 def test_a_call_traced_on_its_own_thread_fetches_the_fleet_first(tmp_path, redis_server, monkeypatch):
     """A first call that cannot be traced in another thread (under a torch-function mode) is
     traced where it is made, after the fleet's pointer: the fleet's trace serves it."""

@@ -27,32 +27,35 @@ if TYPE_CHECKING:
     from tessera.config import CompileConfig
 
 
-def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> None:
-    """Before a warm start: bring the fleet's entry for ``fingerprint`` into the local cache."""
+def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> bool:
+    """Before a warm start: bring the fleet's entry for ``fingerprint`` into the local cache;
+    whether its pointer is now there, fetched (False: none in the fleet, or one already local)."""
     from tessera.cache import pointer
 
     if pointer.pointer_path(root, fingerprint).exists():
-        return
+        return False
     body = remote.fetch_pointer(fingerprint)
     if body is None:
-        return
+        return False
     entry = root / body["entry"]
     try:
         trust.make_dir(entry)
     except OSError as e:
         trust.warn_once(entry, e.strerror or str(e), "not keeping the remote entry locally")
-        return
-    if remote.fetch(entry, body["key"], body["prefix"], model=model_record(body.get("model"))):
-        try:
-            pointer.write_pointer(root, fingerprint, entry)
-            learnt = body.get("learnt")
-            if isinstance(learnt, list) and all(counted_of(s) is not None for s in learnt):
-                pointer.write_learnt(root, fingerprint, entry, [c for c in map(counted_of, learnt) if c])
-            plan = pointer.read_plan_of(body)  # checked again where traces.py reads it
-            if plan:
-                pointer.write_plan(root, fingerprint, plan)
-        except OSError as e:
-            trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
+        return False
+    if not remote.fetch(entry, body["key"], body["prefix"], model=model_record(body.get("model"))):
+        return False
+    try:
+        pointer.write_pointer(root, fingerprint, entry)
+        learnt = body.get("learnt")
+        if isinstance(learnt, list) and all(counted_of(s) is not None for s in learnt):
+            pointer.write_learnt(root, fingerprint, entry, [c for c in map(counted_of, learnt) if c])
+        plan = pointer.read_plan_of(body)  # checked again where traces.py reads it
+        if plan:
+            pointer.write_plan(root, fingerprint, plan)
+    except OSError as e:
+        trust.warn_once(root, e.strerror or str(e), "the fetched entry is not found by fingerprint")
+    return pointer.pointer_path(root, fingerprint).exists()
 
 
 def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown: bool = False) -> None:
