@@ -167,6 +167,12 @@ class HeldFetch:
         monkeypatch.setattr(fleet, "fetch_pointer", held)
 
 
+def _defaults_on(root: Path, remote: str, model) -> tessera.CompiledModel:
+    return tessera.compile(
+        model, backend="eager", cache_dir=str(root), cache_remote=remote, background_compile=True
+    )
+
+
 def _check_calls(compiled, model, sizes=(3, 8, 5)) -> None:
     for n in sizes:
         ids, pos = toy_llama.example_inputs(n)
@@ -183,13 +189,7 @@ def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_serv
     tessera.counters.reset()
     fetch = HeldFetch(monkeypatch)
     model = toy_llama.build(num_layers=1)
-    compiled = tessera.compile(
-        model,
-        backend="eager",
-        cache_dir=str(tmp_path / "second"),
-        cache_remote=redis_server.url,
-        background_compile=True,
-    )
+    compiled = _defaults_on(tmp_path / "second", redis_server.url, model)
     ids, pos = toy_llama.example_inputs(7)
     torch.testing.assert_close(compiled(ids, pos), model(ids, pos))  # the fetch is held meanwhile
     assert fetch.asked.wait(30) and fetch.threads == [f"tessera-trace-{compiled.name}"]
@@ -202,12 +202,6 @@ def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_serv
     assert compiled.warm_start is published
     assert seen["graphs_traced"] == (0 if published else 1)
     assert (seen["eager_compiles"] == 0) is published
-
-
-def _defaults_on(root: Path, remote: str, model) -> tessera.CompiledModel:
-    return tessera.compile(
-        model, backend="eager", cache_dir=str(root), cache_remote=remote, background_compile=True
-    )
 
 
 def test_a_first_call_the_fleets_traces_do_not_cover_is_traced_with_what_it_changed(tmp_path, redis_server):
@@ -257,13 +251,7 @@ def test_a_call_traced_on_its_own_thread_fetches_the_fleet_first(tmp_path, redis
     fetch = HeldFetch(monkeypatch)
     fetch.gate.set()
     model = toy_llama.build(num_layers=1)
-    compiled = tessera.compile(
-        model,
-        backend="eager",
-        cache_dir=str(tmp_path / "second"),
-        cache_remote=redis_server.url,
-        background_compile=True,
-    )
+    compiled = _defaults_on(tmp_path / "second", redis_server.url, model)
     ids, pos = toy_llama.example_inputs(7)
     with torch.device("cpu"):
         torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
