@@ -37,9 +37,10 @@ from tessera.compilers import (
     Compiler,
     CompilesInWorkers,
 )
-from tessera.config import CompileConfig, Size, size_label
+from tessera.config import CompileConfig, Shape, Size, size_label
 from tessera.errors import TesseraWarning
 from tessera.layout import output_layout
+from tessera.listed_shapes import input_text, piece_statics, read_shapes
 from tessera.piece import (
     PieceRecord,
     PieceRunner,
@@ -125,6 +126,7 @@ def from_trace(
         split_model.dumps.split_graph(split_dump)
         if factors is not None:
             split_model.dumps.factors(factors)
+    split_model.listed_shapes = read_shapes(gm, config.shapes, not _every_size(split_model))
     _build_pieces(split_model, gm, split_gm, items, example_inputs, start)
     return split_model
 
@@ -225,9 +227,10 @@ def _build(
     output = next(iter(reversed(item.graph.graph.nodes)))
     returns_tuple = isinstance(output.args[0], (tuple, list))
     source = find_size_source(fake_args)
-    # Several dynamic sizes (batch x length): where each is read, for the shapes learnt later.
-    shapes = shape_sources(fake_args) if source is not None and split_model.config.auto_sizes else ()
     sizes = _sizes(split_model, fake_args)
+    # Several dynamic sizes (batch x length): where each is read, for the shapes listed or learnt.
+    shaped = split_model.config.auto_sizes or any(isinstance(s, Shape) for s in sizes)
+    shapes = shape_sources(fake_args) if source is not None and shaped else ()
     content = piece_content(item.graph, fake_args)
     split_model.pieces[item.name].content = content
     now = sizes[:1] if general_only else sizes
@@ -273,7 +276,7 @@ def _build(
         sym_positions=tuple(i for i, a in enumerate(fake_args) if isinstance(a, torch.SymInt)),
         returns_tuple=returns_tuple,
         size_source=source,
-        sizes=compile_sizes(split_model) if source is not None else (),
+        sizes=tuple(s for s in sizes if isinstance(s, int | Shape)),
         ranges=tuple(config.ranges) if source is not None else (),
         compile_seconds=tuple(seconds),
         dynamic=dynamic_inputs(fake_args, outputs),
@@ -315,7 +318,7 @@ def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
     workers asked for."""
     if (
         not sized
-        or not compile_sizes(split_model)
+        or not split_model.config.compile_sizes
         or split_model.pieces.graph_pool is not None
         or not isinstance(split_model.compiler, CompilesInWorkers)
         or split_model.artifact_cache.entry is None
@@ -326,18 +329,56 @@ def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
 
 
 def _sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[Size, ...]:
-    """What a piece is compiled for: general, then each compile size and range if it has a size."""
+    """What a piece is compiled for: general, then each static size (listed, or read from the
+    listed shapes) and range if it has a size."""
     if find_size_source(fake_args) is None:
         return (None,)
-    return (None, *compile_sizes(split_model), *split_model.config.ranges)
+    return (None, *piece_sizes(split_model, fake_args), *split_model.config.ranges)
+
+
+def piece_sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[int | Shape, ...]:
+    """The static sizes of one piece: the listed sizes where it varies in one size, and what the
+    listed shapes give it (listed_shapes.py). A Shape only where each of its sizes can be read
+    from its inputs (what a call is dispatched on)."""
+    symbols = size_symbols(fake_args)
+    listed: tuple[int, ...] = ()
+    if len(symbols) == 1:
+        listed = compile_sizes(split_model)
+    elif compile_sizes(split_model) and not split_model.config.shapes:
+        _warn_sizes_need_shapes(split_model, symbols)
+    shaped = piece_statics(split_model.listed_shapes, symbols)
+    if len(symbols) > 1 and not shape_sources(fake_args):
+        shaped = ()
+    return (*listed, *(s for s in shaped if s not in listed))
 
 
 def compile_sizes(split_model: SplitModel) -> tuple[int, ...]:
     """The compile sizes this trace serves: every size for an unbacked or size-oblivious
     trace; sizes >= 2 for a trace Dynamo specialised at 0 and 1 (those have traces of their own)."""
-    if split_model.config.dynamic_shapes == "unbacked" or split_model.state.size_oblivious:
+    if _every_size(split_model):
         return split_model.config.sizes
     return tuple(s for s in split_model.config.sizes if s >= 2)
+
+
+def _every_size(split_model: SplitModel) -> bool:
+    """Whether this trace serves sizes 0 and 1 too (unbacked or size-oblivious)."""
+    return split_model.config.dynamic_shapes == "unbacked" or split_model.state.size_oblivious
+
+
+def _warn_sizes_need_shapes(split_model: SplitModel, symbols: Sequence[Any]) -> None:
+    """Listed sizes name one dynamic size; this trace's pieces vary in several: said once."""
+    if split_model.warned_sizes:
+        return
+    split_model.warned_sizes = True
+    where = f" (the leading dims of {input_text(split_model.listed_shapes)})"
+    warnings.warn(
+        f"{split_model.prefix}: compile_sizes {list(compile_sizes(split_model))} give one dynamic size, "
+        f"but this trace's pieces vary in {len(symbols)}, so those sizes are not compiled for them. "
+        f"List shapes instead, one value per dynamic dim of the model's input{where}: "
+        "compile_sizes=[(4, 128), ...] (batch x length), or 'auto' to learn them",
+        TesseraWarning,
+        stacklevel=2,
+    )
 
 
 def _worker_fit(fake_args: Sequence[Any]) -> bool:

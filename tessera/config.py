@@ -117,8 +117,13 @@ class CompileConfig:
     )
     splitting_ops: Sequence[SplittingOp] | None = None
     # Static sizes to compile: a list, "auto" (learnt from traffic, see auto_sizes), or a list
-    # holding "auto" (those sizes, and others learnt). Normalised to the listed integers.
-    compile_sizes: Sequence[int | str] | str = field(default_factory=lambda: v.env_sizes("COMPILE_SIZES"))
+    # holding "auto" (those sizes, and others learnt). An entry is an integer (the one dynamic
+    # size) or a shape: a tuple, one value for each dynamic size of the model's input, in the order
+    # of its dims ((4, 128): input_ids of batch 4, length 128; listed_shapes.py). Normalised to the
+    # listed integers, then the shapes.
+    compile_sizes: Sequence[int | str | tuple[int, ...]] | str = field(
+        default_factory=lambda: v.env_sizes("COMPILE_SIZES")
+    )
     compile_ranges: Sequence[int] = field(default_factory=lambda: v.env_ints("COMPILE_RANGES") or ())
     max_size: int | None = field(
         default_factory=lambda: v.env_value("MAX_SIZE", None, int, check=v.check_max_size)
@@ -218,7 +223,7 @@ class CompileConfig:
         listed, auto = v.split_auto(self.compile_sizes)
         fields = {
             "splitting_ops": v.check_splitting_ops(self.splitting_ops),
-            "compile_sizes": v.check_sizes("compile_sizes", listed, self.max_size, 1),
+            "compile_sizes": v.check_compile_sizes(listed, self.max_size),
             "auto_sizes": DEFAULT_LIMIT if auto and not self.auto_sizes else self.auto_sizes,
             "compile_ranges": v.check_sizes("compile_ranges", self.compile_ranges, self.max_size, 1),
             "cudagraph_capture_sizes": None
@@ -236,7 +241,7 @@ class CompileConfig:
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         if self.cudagraph_mode != "none" and self.cudagraph_capture_sizes is not None:
-            missing = [s for s in self.compile_sizes if s not in self.cudagraph_capture_sizes]
+            missing = [s for s in self.sizes if s not in self.cudagraph_capture_sizes]
             if missing:
                 raise ConfigError(
                     f"compile_sizes {missing} are not in cudagraph_capture_sizes: such calls would be "
@@ -259,8 +264,13 @@ class CompileConfig:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """The listed compile sizes (``"auto"`` is ``auto_sizes``)."""
-        return tuple(int(s) for s in self.compile_sizes)
+        """The listed compile sizes, integers (``"auto"`` is ``auto_sizes``; shapes: ``shapes``)."""
+        return tuple(s for s in self.compile_sizes if isinstance(s, int))
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The listed shapes: one value for each dynamic size of the model's input."""
+        return tuple(tuple(s) for s in self.compile_sizes if isinstance(s, tuple | list))
 
     @property
     def ranges(self) -> tuple[SizeRange, ...]:
@@ -290,7 +300,7 @@ class CompileConfig:
             "splitting_ops": None
             if self.splitting_ops is None
             else [op_name(op) for op in self.splitting_ops],
-            "compile_sizes": list(self.compile_sizes),
+            "compile_sizes": [list(s) if isinstance(s, tuple) else s for s in self.compile_sizes],
             "compile_ranges": list(self.compile_ranges),
             "max_size": self.max_size,
             "cudagraph_mode": self.cudagraph_mode,

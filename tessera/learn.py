@@ -57,7 +57,7 @@ class SizeLearner:
         self,
         limit: int,
         share: float,
-        listed: Iterable[int],
+        listed: Iterable[Counted],
         learnt: Iterable[Counted],
         learn: Callable[[Counted], None],
         retire: Callable[[Counted], None],

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tessera import counters
-from tessera._compat import is_constant_symint, sym_expr
+from tessera._compat import is_constant_symint, sym_expr, symbol_ranks
 from tessera.config import TRACED_LABEL, Shape, Size, SizeRange, size_label
 from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
@@ -83,7 +83,7 @@ class PieceRecord:
     sym_positions: tuple[int, ...] = ()
     returns_tuple: bool = False
     size_source: SizeSource | None = None
-    sizes: tuple[int, ...] = ()
+    sizes: tuple[int | Shape, ...] = ()  # its static sizes: listed, or read from listed shapes
     ranges: tuple[SizeRange, ...] = ()
     compile_seconds: tuple[tuple[str, float], ...] = ()
     served: tuple[tuple[str, int], ...] = ()
@@ -330,8 +330,11 @@ def find_size_source(example_inputs: Sequence[Any], symbol: Any = None) -> SizeS
 
 
 def size_symbols(example_inputs: Sequence[Any]) -> list[Any]:
-    """The inputs' shape symbols in one order (by name): what a Shape's values are given for."""
-    return sorted(free_symbols(example_inputs), key=str)
+    """The inputs' shape symbols in the order Dynamo made them (the model's input dims, in order:
+    batch before length), then by name: what a Shape's values are given for, and how its label
+    reads (``shape 4x128``)."""
+    ranks = symbol_ranks(example_inputs)
+    return sorted(free_symbols(example_inputs), key=lambda s: (ranks.get(str(s), len(ranks)), str(s)))
 
 
 def shape_sources(example_inputs: Sequence[Any]) -> tuple[SizeSource, ...]:

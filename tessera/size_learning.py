@@ -109,7 +109,7 @@ class SizeLearning:
             learner = SizeLearner(
                 self.owner.config.auto_sizes,
                 self.owner.config.auto_sizes_share,
-                self.owner.config.sizes,
+                self._listed(runner.name),
                 learnt,
                 self._learn,
                 self._retire,
@@ -135,6 +135,14 @@ class SizeLearning:
         for piece in self.owner.pieces.graph_pieces:  # its replays bypass the runner: counted by the piece
             if piece.fn is runner:
                 piece.tally = self.tally
+
+    def _listed(self, name: str) -> tuple[Counted, ...]:
+        """The static sizes listed for the piece that counts (``name``), as counted: its
+        sizes, and the values of its shapes (never learnt: they are compiled already)."""
+        record = self.owner.pieces[name].record
+        if record is None:
+            return self.owner.config.sizes
+        return tuple(s.values if isinstance(s, Shape) else s for s in record.sizes)
 
     def _learnable(self) -> bool:
         """Whether static sizes can be compiled here: this process traced the pieces or loaded

@@ -38,6 +38,7 @@ from tessera.compilers import (
 )
 from tessera.config import CompileConfig, Size, size_label
 from tessera.debug.dumps import Dumps
+from tessera.listed_shapes import TraceShapes
 from tessera.piece import PieceRecord
 from tessera.pieces import Pieces
 from tessera.progress import CompileProgress
@@ -99,6 +100,9 @@ class SplitModel:
         self.pool: CompilePool | None = None  # compile workers for this model's static sizes
         self.dumps = Dumps(Path(config.debug_dump_dir), prefix) if config.debug_dump_dir else None
         self.learning = SizeLearning(self)  # sizes learnt from traffic (size_learning.py)
+        # The shapes listed in compile_sizes as this trace reads them (listed_shapes.py).
+        self.listed_shapes = TraceShapes()
+        self.warned_sizes = False  # listed sizes on pieces with several sizes: said once
 
     def jobs_left(self) -> bool:
         """Whether artifacts of the trace's own sizes are still to compile (learning waits)."""

@@ -58,19 +58,27 @@ def env_ints(name: str) -> tuple[int, ...] | None:
         ) from e
 
 
-def env_sizes(name: str) -> tuple[int | str, ...]:
-    """``TESSERA_<name>``: comma-separated sizes, each an integer or ``auto``."""
+def env_sizes(name: str) -> tuple[int | str | tuple[int, ...], ...]:
+    """``TESSERA_<name>``: comma-separated sizes, each an integer, a shape (``4x128``) or ``auto``."""
     value = env(name)
     if value is None:
         return ()
     parts = [part for part in value.replace(" ", "").split(",") if part]
     try:
-        return tuple(part if part == AUTO else int(part) for part in parts)
+        return tuple(_env_size(part) for part in parts)
     except ValueError as e:
         raise ConfigError(
-            f"TESSERA_{name}={value!r}: expected comma-separated integers such as 1,8,16, or auto, "
-            "or both (1,auto)"
+            f"TESSERA_{name}={value!r}: expected comma-separated integers such as 1,8,16, shapes such "
+            "as 4x128 (batch x length), or auto, or a mix (1,4x128,auto)"
         ) from e
+
+
+def _env_size(part: str) -> int | str | tuple[int, ...]:
+    if part == AUTO:
+        return part
+    if "x" in part:
+        return tuple(int(v) for v in part.split("x"))
+    return int(part)
 
 
 AUTO = "auto"
@@ -158,6 +166,30 @@ def check_sizes(field: str, sizes: Any, max_size: int | None, minimum: int) -> t
     if list(sizes) != sorted(set(sizes)):
         raise ConfigError(f"{field}={list(sizes)} must be sorted ascending without repeats")
     return tuple(sizes)
+
+
+def check_compile_sizes(listed: Any, max_size: int | None) -> tuple[int | tuple[int, ...], ...]:
+    """``compile_sizes`` without ``"auto"``: the integers (sorted, see ``check_sizes``), then the
+    shapes (tuples of two or more integers >= 1: one value per dynamic size), sorted."""
+    if isinstance(listed, (str, bytes)) or not isinstance(listed, Sequence):
+        raise ConfigError(
+            f"compile_sizes={listed!r} must be a list of integers such as [1, 8, 16], of shapes such "
+            f"as [(4, 128)], or 'auto' (a {type(listed).__name__} was given)"
+        )
+    shapes = [s for s in listed if isinstance(s, (tuple, list))]
+    sizes = check_sizes("compile_sizes", [s for s in listed if not isinstance(s, (tuple, list))], max_size, 1)
+    checked = []
+    for shape in shapes:
+        if len(shape) < 2 or not all(is_int(d) and 1 <= d <= MAX_COMPILE_SIZE for d in shape):
+            raise ConfigError(
+                f"compile_sizes shape {shape!r} must hold two or more integers >= 1, one for each "
+                "dynamic size of the model's input in the order of its dims, e.g. (4, 128) for "
+                "input_ids of batch 4 and length 128"
+            )
+        checked.append(tuple(shape))
+    if len(set(checked)) != len(checked):
+        raise ConfigError(f"compile_sizes lists a shape twice: {checked}")
+    return (*sizes, *sorted(checked))
 
 
 def check_workers(value: Any) -> None:

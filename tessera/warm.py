@@ -26,6 +26,7 @@ from tessera.cache import artifact as model_artifact, pointer
 from tessera.cache.artifact import ArtifactFate, ArtifactState, ModelArtifact
 from tessera.cache.entry import CacheEntry, warn_write_failed
 from tessera.cache.fleet import publish
+from tessera.cache.index import index_key
 from tessera.cache.pointer import OtherPath
 from tessera.cache.refusal import Refused
 from tessera.cache.remote import RemoteTier
@@ -423,8 +424,8 @@ def _saved(split_model: SplitModel, record: PieceRecord | None) -> bool:
         return False
     entries = split_model.entry.index.entries
     return all(
-        (key, record.index, split_model.compiler.name) in entries
-        for key in ("general", *record.sizes, *((r.start, r.end) for r in record.ranges))
+        index_key(size, record.index, split_model.compiler.name) in entries
+        for size in (None, *record.sizes, *record.ranges)
     )
 
 

@@ -3,7 +3,8 @@
 Usage: python -m tests.run_auto_sizes BACKEND TRAFFIC [HTML]
 BACKEND: eager or inductor. TRAFFIC: "skewed" (a few hot sizes among many cold ones), "moved" (the
 same with one more hot size: what a warm process learns on top) or "none" (one call of a cold
-size); "shapes", "shapes-moved" and "shapes-none" the same for a tiny BERT whose calls vary in
+size); "shapes", "shapes-moved" and "shapes-none" the same for a tiny BERT (and "shapes-listed":
+the skewed traffic with its hot shapes listed in compile_sizes, not learnt) whose calls vary in
 batch and length (hot shapes among cold ones). The model is the toy Llama (one layer on Inductor)
 or the BERT, parameters frozen, called in PyTorch's default state (grad enabled) from four
 threads; every output is compared with eager's in the calling thread (an exception fails the
@@ -84,7 +85,9 @@ def main() -> None:
     shapes, moved = kind.startswith("shapes"), kind.endswith("moved")
     model = bert() if shapes else model_for(backend)
     reference = model
-    compiled = tessera.compile(model, backend=backend, compile_sizes="auto", prefix="auto")
+    # "shapes-listed": the hot shapes listed by hand (batch, length), nothing learnt.
+    sizes: Any = list(HOT_SHAPES) if kind == "shapes-listed" else "auto"
+    compiled = tessera.compile(model, backend=backend, compile_sizes=sizes, prefix="auto")
     errors: list[BaseException] = []
 
     def serve(thread: int) -> None:

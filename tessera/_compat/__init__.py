@@ -48,6 +48,7 @@ from tessera._compat.guards import (
     guard_code as guard_code,
     guard_fact as guard_fact,
     guard_globals as guard_globals,
+    input_dims as input_dims,
     local_source_name as local_source_name,
     placeholder_dims as placeholder_dims,
     placeholder_values as placeholder_values,
@@ -94,6 +95,7 @@ from tessera._compat.tensors import (
     same_storage as same_storage,
     size_hint as size_hint,
     sym_expr as sym_expr,
+    symbol_ranks as symbol_ranks,
     sympy_expression as sympy_expression,
     version_counter as version_counter,
 )

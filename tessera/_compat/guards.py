@@ -122,6 +122,37 @@ def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ..
     return out
 
 
+def input_dims(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int | str, ...]]]:
+    """Each tensor input of the graph, in the graph's order: its source name (``input_ids``,
+    ``kwargs['x']``; ``input N`` where Dynamo left none) and per dim its size, or the name of the
+    symbol Dynamo gave it where that is one bare symbol (a derived size, ``2*s0``, reads as its
+    expression text).
+
+    Checked on torch 2.11-2.15: Dynamo's node metadata and ``Source.name``; no public accessor.
+    """
+    out: list[tuple[str, tuple[int | str, ...]]] = []
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            continue
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = (
+            f"input {i}"
+            if source is None
+            else local_source_name(source.name() if callable(source.name) else str(source.name))
+        )
+        out.append(
+            (
+                name,
+                tuple(
+                    str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else int(s)
+                    for s in value.shape
+                ),
+            )
+        )
+    return out
+
+
 def local_source_name(name: str) -> str:
     """Dynamo's ``L['kwargs']['x']`` as the guard-entry form ``kwargs['x']`` (the inverse of
     ``dynamo_source_name``). Checked on torch 2.11, 2.13: Dynamo's private source-name format."""

@@ -6,6 +6,7 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,31 @@ def sym_expr(value: torch.SymInt) -> Any:
     Checked on torch 2.11, 2.13: private; no public sympy view of a SymInt.
     """
     return value.node.expr
+
+
+def symbol_ranks(example_inputs: Sequence[Any]) -> dict[str, int]:
+    """Each backed size symbol's place in the order its shape env made them, by name: Dynamo makes
+    them as it wraps the model's inputs, dim by dim, so ``input_ids [batch, length]`` gives batch
+    before length (torch 2.13 names symbols by a hash of their source: ``s97``, ``s33``). Empty
+    when no input has a symbol. Checked on torch 2.11-2.15: private ``SymNode.shape_env`` and
+    ``ShapeEnv.backed_var_to_val`` (``var_to_val`` before 2.13; insertion-ordered); no public
+    accessor."""
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            found = [value]
+        elif isinstance(value, torch.Tensor):
+            found = [d for d in (*value.shape, *value.stride()) if isinstance(d, torch.SymInt)]
+        else:
+            continue
+        for symint in found:
+            shape_env = getattr(symint.node, "shape_env", None)
+            # torch 2.13 renamed var_to_val (deprecated, with a FutureWarning) to backed_var_to_val.
+            made = getattr(shape_env, "backed_var_to_val", None)
+            if made is None:
+                made = getattr(shape_env, "var_to_val", None)
+            if made:
+                return {str(symbol): i for i, symbol in enumerate(made)}
+    return {}
 
 
 def is_constant_symint(value: torch.SymInt) -> bool:

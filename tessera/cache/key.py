@@ -46,7 +46,7 @@ CODE_ENV_VARS = (
 # fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
 # state
 FINGERPRINT_FORMAT = 9
-PIECE_CONTENT_FORMAT = 2
+PIECE_CONTENT_FORMAT = 3
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -178,7 +178,8 @@ def collect_factors(
         "call_state": repr(_compat.call_state()),
         "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
         # How piece_content describes a piece: an entry made by another recipe may hold a shape's
-        # artifact shared between pieces the current one tells apart (2: the "order:" line).
+        # artifact shared between pieces the current one tells apart (2: the "order:" line; 3: a
+        # shape's values in the order Dynamo made the symbols, not by name).
         "piece_content": PIECE_CONTENT_FORMAT,
     }
 
@@ -216,10 +217,12 @@ def piece_content(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
 
     lines = [describe_input(v) for v in example_inputs]
     if len(symbols) > 1:
-        # A shape's values are given in the order of the symbols' names (piece.size_symbols), the
+        # A shape's values are given in piece.size_symbols order (as Dynamo made the symbols), the
         # content in the order they first appear: two pieces alike but for which size is which
         # dim must not share a shape's artifact.
-        lines.append("order:" + ",".join(symbols[name] for name in sorted(symbols)))
+        ranks = _compat.symbol_ranks(example_inputs)
+        order = sorted(symbols, key=lambda name: (ranks.get(name, len(ranks)), name))
+        lines.append("order:" + ",".join(symbols[name] for name in order))
     lines.extend(_canonical_nodes(graph, canon))
     return sha256_bytes("\n".join(lines).encode())
 
