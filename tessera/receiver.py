@@ -175,12 +175,13 @@ class GraphReceiver:
         return split_model.split_forward
 
     def _config_for(self, gm: torch.fx.GraphModule) -> CompileConfig:
-        """compile_sizes and ranges specialise one dynamic size; a graph with several
-        (``dynamic=True`` makes every dim dynamic) is served by its general artifact alone."""
+        """Listed sizes and ranges specialise one dynamic size; a graph with several
+        (``dynamic=True`` makes every dim dynamic) keeps only the listed shapes (listed_shapes.py)
+        and its general artifact."""
         from tessera.piece import free_symbols
 
         config = self.config
-        if not (config.compile_sizes or config.compile_ranges):
+        if not (config.sizes or config.compile_ranges):
             return config
         symbols = free_symbols(_compat.placeholder_values(gm))
         if len(symbols) <= 1:
@@ -189,13 +190,14 @@ class GraphReceiver:
             self._warned_sizes = True
             warnings.warn(
                 f"{self.prefix}: a graph has {len(symbols)} dynamic sizes "
-                f"({', '.join(sorted(map(str, symbols)))}); compile_sizes and compile_ranges specialise "
-                "one, so such graphs get the general artifact only. Mark the one dynamic dim with "
-                "torch._dynamo.mark_dynamic and compile with dynamic=None to keep them",
+                f"({', '.join(sorted(map(str, symbols)))}); listed sizes and compile_ranges specialise "
+                "one, so such graphs do not compile them. List shapes instead (compile_sizes=[(4, 128)]: "
+                "batch x length), or mark the one dynamic dim with torch._dynamo.mark_dynamic and "
+                "compile with dynamic=None",
                 TesseraWarning,
                 stacklevel=4,
             )
-        return config.replace(compile_sizes=(), compile_ranges=())
+        return config.replace(compile_sizes=config.shapes, compile_ranges=())
 
 
 def graphs() -> tuple[GraphReport, ...]:

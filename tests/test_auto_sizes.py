@@ -374,9 +374,7 @@ def test_pieces_with_batch_and_length_learn_the_hot_shapes_and_a_warm_process_lo
     # numbers for each, learnt or not, including shapes never seen.
     serve(compiled, [(2, 16), (4, 8), (3, 11), (1, 40)] * 2, check_every=1)
     by_label = {  # a piece that sees one of the two sizes counts ints (transformers 5.17 has one)
-        label
-        for size, label, _ in compiled.report.sizes_served
-        if size == (2, 16)
+        label for size, label, _ in compiled.report.sizes_served if size == (2, 16)
     }
     assert any(label.startswith("shape ") for label in by_label), by_label
     # The next process (a second compile of the same model: the cache) loads the learnt shapes.

@@ -405,14 +405,17 @@ def sums_both(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x.sum(0) + y.sum(0)
 
 
-def test_compile_sizes_that_cannot_work_are_config_errors():
+def test_compile_sizes_that_cannot_work_are_config_errors_and_sizes_of_another_kind_are_said():
     with pytest.raises(tessera.ConfigError, match=">= 1"):
         tessera.compile(squeezes, compile_sizes=[0])
     with pytest.raises(tessera.ConfigError, match="fits in memory"):
         tessera.compile(squeezes, compile_sizes=[2**40])
+    # Two independent dynamic sizes: a listed size names one, so it is not compiled for them (said
+    # once, with what to list instead), and the call is served.
     compiled = tessera.compile(sums_both, backend="eager", compile_sizes=[4], disable_cache=True)
-    with pytest.raises(tessera.ConfigError, match="exactly one dynamic size"):
-        compiled(torch.randn(5, 3), torch.randn(7, 3))  # two independent dynamic sizes
+    a, b = torch.randn(5, 3), torch.randn(7, 3)
+    with pytest.warns(tessera.TesseraWarning, match="List shapes instead"):
+        torch.testing.assert_close(compiled(a, b), sums_both(a, b))
 
 
 def test_a_compile_size_whose_inputs_exceed_memory_is_a_config_error(monkeypatch):

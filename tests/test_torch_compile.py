@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -74,7 +76,20 @@ def test_compile_sizes_specialise_the_one_dynamic_size_and_graphs_with_more_keep
     tessera.counters.reset()
     torch._dynamo.reset()
     everything = torch.compile(model, backend="tessera", dynamic=True, options=options)
-    with pytest.warns(tessera.TesseraWarning, match="general artifact only"):
+    with pytest.warns(tessera.TesseraWarning, match="List shapes instead"):
         for batch, seq in ((2, 5), (3, 8)):
             x = torch.randn(batch, seq, 16)
             torch.testing.assert_close(everything(x), model(x))
+
+
+def test_a_listed_shape_specialises_a_graph_whose_batch_and_length_vary(caplog):
+    """torch.compile(dynamic=True): every dim dynamic; a listed (batch, length) shape is compiled
+    for the graphs, eager's numbers for every call, the listed shape's and the others'."""
+    model = Branches().eval().requires_grad_(False)
+    options = {"backend": "eager", "compile_sizes": [(3, 8)], "disable_cache": True}
+    compiled = torch.compile(model, backend="tessera", dynamic=True, options=options)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        for batch, seq in ((2, 5), (3, 8), (4, 8), (3, 9)):
+            x = torch.randn(batch, seq, 16)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert "shape 3x8 compiled" in caplog.text and "3x8 taken" in caplog.text, caplog.text
