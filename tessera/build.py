@@ -318,7 +318,7 @@ def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
     workers asked for."""
     if (
         not sized
-        or not split_model.config.compile_sizes
+        or not (compile_sizes(split_model) or split_model.listed_shapes.values)
         or split_model.pieces.graph_pool is not None
         or not isinstance(split_model.compiler, CompilesInWorkers)
         or split_model.artifact_cache.entry is None
