@@ -40,7 +40,7 @@ from tessera.compilers import (
 from tessera.config import CompileConfig, Shape, Size, size_label
 from tessera.errors import TesseraWarning
 from tessera.layout import output_layout
-from tessera.listed_shapes import input_text, piece_statics, read_shapes
+from tessera.listed_shapes import describe, input_text, piece_statics, read_shapes
 from tessera.piece import (
     PieceRecord,
     PieceRunner,
@@ -126,7 +126,15 @@ def from_trace(
         split_model.dumps.split_graph(split_dump)
         if factors is not None:
             split_model.dumps.factors(factors)
-    split_model.listed_shapes = read_shapes(gm, config.shapes, not _every_size(split_model))
+    split_model.listed_shapes = read = read_shapes(gm, config.shapes, not _every_size(split_model))
+    if config.shapes and not read.values and read.dynamic_dims > 1:
+        warnings.warn(
+            f"{prefix}: no shape in compile_sizes fits this trace, whose input {input_text(read)} varies "
+            f"in {read.dynamic_dims} dims ({describe(read)}); a shape gives the sizes of the dims that "
+            "vary, in order (batch x length), so none is compiled here",
+            TesseraWarning,
+            stacklevel=2,
+        )
     _build_pieces(split_model, gm, split_gm, items, example_inputs, start)
     return split_model
 
@@ -318,7 +326,7 @@ def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
     workers asked for."""
     if (
         not sized
-        or not (compile_sizes(split_model) or split_model.listed_shapes.values)
+        or not compile_sizes(split_model)  # shapes compile in this process (workers take sizes)
         or split_model.pieces.graph_pool is not None
         or not isinstance(split_model.compiler, CompilesInWorkers)
         or split_model.artifact_cache.entry is None
@@ -344,7 +352,7 @@ def piece_sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[int 
     listed: tuple[int, ...] = ()
     if len(symbols) == 1:
         listed = compile_sizes(split_model)
-    elif compile_sizes(split_model) and not split_model.config.shapes:
+    elif compile_sizes(split_model):
         _warn_sizes_need_shapes(split_model, symbols)
     shaped = piece_statics(split_model.listed_shapes, symbols)
     if len(symbols) > 1 and not shape_sources(fake_args):
@@ -374,7 +382,7 @@ def _warn_sizes_need_shapes(split_model: SplitModel, symbols: Sequence[Any]) -> 
     warnings.warn(
         f"{split_model.prefix}: compile_sizes {list(compile_sizes(split_model))} give one dynamic size, "
         f"but this trace's pieces vary in {len(symbols)}, so those sizes are not compiled for them. "
-        f"List shapes instead, one value per dynamic dim of the model's input{where}: "
+        f"List shapes instead, one value per dim of the model's input that varies{where}: "
         "compile_sizes=[(4, 128), ...] (batch x length), or 'auto' to learn them",
         TesseraWarning,
         stacklevel=2,

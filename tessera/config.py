@@ -118,9 +118,9 @@ class CompileConfig:
     splitting_ops: Sequence[SplittingOp] | None = None
     # Static sizes to compile: a list, "auto" (learnt from traffic, see auto_sizes), or a list
     # holding "auto" (those sizes, and others learnt). An entry is an integer (the one dynamic
-    # size) or a shape: a tuple, one value for each dynamic size of the model's input, in the order
-    # of its dims ((4, 128): input_ids of batch 4, length 128; listed_shapes.py). Normalised to the
-    # listed integers, then the shapes.
+    # size) or a shape: a tuple, one value for each dim of the model's input that varies, in order
+    # ((4, 128): input_ids of batch 4, length 128; listed_shapes.py). Normalised to the listed
+    # integers, then the shapes.
     compile_sizes: Sequence[int | str | tuple[int, ...]] | str = field(
         default_factory=lambda: v.env_sizes("COMPILE_SIZES")
     )
@@ -269,7 +269,7 @@ class CompileConfig:
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The listed shapes: one value for each dynamic size of the model's input."""
+        """The listed shapes: one value for each dim of the model's input that varies."""
         return tuple(tuple(s) for s in self.compile_sizes if isinstance(s, tuple | list))
 
     @property

@@ -25,7 +25,7 @@ from tessera.cache import liveness
 from tessera.cache.entry import atomic_write, warn_write_failed
 from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.compile_jobs import CACHE_ENV, JobDone, PieceJob, TensorSpec
-from tessera.config import CompileConfig, Size
+from tessera.config import CompileConfig, Shape, Size
 from tessera.errors import ArtifactDamaged, CompilerError
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,9 @@ class InductorCompiler:
         key: str,
     ) -> tuple[Callable[..., Any], Any]:
         patches: dict[str, Any] = {}
-        if isinstance(size, int):
-            # A single size is compiled with static shapes: worth Inductor's autotuning.
+        if isinstance(size, int | Shape):
+            # A single size (or shape) is compiled with static shapes: worth Inductor's autotuning.
+            # The example inputs are concrete: "from_graph" would keep the graph's symbols.
             patches["max_autotune"] = True
             dynamic_shapes = "from_example_inputs"
         else:

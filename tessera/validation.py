@@ -183,8 +183,8 @@ def check_compile_sizes(listed: Any, max_size: int | None) -> tuple[int | tuple[
         if len(shape) < 2 or not all(is_int(d) and 1 <= d <= MAX_COMPILE_SIZE for d in shape):
             raise ConfigError(
                 f"compile_sizes shape {shape!r} must hold two or more integers >= 1, one for each "
-                "dynamic size of the model's input in the order of its dims, e.g. (4, 128) for "
-                "input_ids of batch 4 and length 128"
+                "dim of the model's input that varies, in order, e.g. (4, 128) for input_ids of "
+                "batch 4 and length 128"
             )
         checked.append(tuple(shape))
     if len(set(checked)) != len(checked):

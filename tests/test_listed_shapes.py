@@ -87,9 +87,69 @@ def test_a_shape_whose_batch_a_trace_fixed_compiles_its_length_there():
     assert served[4] == {"size 4"} and served[2] == served[3] == {"general"}, served
 
 
+class Channels(torch.nn.Module):
+    """Audio-like ``x [batch, 3, time]``: the shape gives the dims that vary, (batch, time); the
+    channels may be given too, ``(batch, 3, time)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None])[:, 0]
+        return y.sum(-1)
+
+
+class PositionsFirst(torch.nn.Module):
+    """``pos [length]`` is used before ``x [batch, length, 8]``: the shapes are read against the
+    first input they fit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        scale = pos.float().mean()
+        y = self.proj(x) + scale
+        y = torch.nn.functional.scaled_dot_product_attention(y[:, None], y[:, None], y[:, None])[:, 0]
+        return self.proj(y)
+
+
+@pytest.mark.parametrize("listed", [(4, 16), (4, 3, 16)])
+def test_a_shape_gives_the_dims_that_vary_and_may_give_the_fixed_ones_too(listed):
+    model = Channels().eval().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager", compile_sizes=[listed], background_compile=False)
+    for batch, time in [(2, 10), (4, 16), (3, 9), (4, 16), (4, 17)]:
+        x = torch.randn(batch, 3, time)
+        torch.testing.assert_close(compiled(x), model(x))
+    served = _served(compiled)
+    assert served[(4, 16)] == {"shape 4x16"} and served[(4, 17)] == {"general"}, served
+
+
+def test_shapes_are_read_against_the_first_input_they_fit():
+    model = PositionsFirst().eval().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager", compile_sizes=[(4, 6)], background_compile=False)
+    for batch, length in [(2, 5), (4, 6), (3, 7), (4, 6)]:
+        x, pos = torch.randn(batch, length, 8), torch.arange(length)
+        torch.testing.assert_close(compiled(x, pos), model(x, pos))
+    # pos's length is a size of its own (nothing ties it to x's): the piece that reads x serves
+    # (4, 6) from the shape, the one that reads pos from its general artifact.
+    served = {label: n for runner in compiled.runners.values() for label, n in runner.served() if n}
+    assert served.get("shape 4x6") == 2, served
+
+
+def test_a_trace_that_varies_in_two_dims_and_fits_no_listed_shape_says_so():
+    model = _model()
+    compiled = tessera.compile(model, backend="eager", compile_sizes=[(3, 7, 8, 1)], background_compile=False)
+    with pytest.warns(TesseraWarning, match="no shape in compile_sizes fits this trace"):
+        for batch, length in SHAPES:
+            _call(compiled, model, batch, length)
+
+
 def test_listed_sizes_where_pieces_vary_in_two_sizes_are_said_once_and_every_call_served():
     model = _model()
-    compiled = tessera.compile(model, backend="eager", compile_sizes=[4], background_compile=False)
+    compiled = tessera.compile(model, backend="eager", compile_sizes=[4, (3, 7)], background_compile=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch, length in SHAPES:
