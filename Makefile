@@ -22,7 +22,7 @@ HF_OLDEST ?= 4.57.1
 OLDEST := $(VENVS)/hf-$(HF_OLDEST)-$(subst ==,-,$(TORCH_SPEC))
 REDIS := command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 
-.PHONY: install demo test test-fast test-compat test-newest pins test-hf-oldest lint docs bench clean
+.PHONY: install demo test test-extended test-fast test-compat test-newest pins test-hf-oldest lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,11 @@ demo: $(STAMP)
 # The Redis tests start a real redis-server (on a loopback port): install it when missing.
 test: $(STAMP)
 	$(REDIS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not extended"
+
+# More model families for behaviours `make test` covers (on demand: CI's time is bounded).
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -m extended
 
 # The edit loop: no Inductor, no multi-process or Hugging Face tests (under 3 minutes on 2 cores).
 test-fast: $(STAMP)
