@@ -378,7 +378,7 @@ def _warn_sizes_need_shapes(split_model: SplitModel, symbols: Sequence[Any]) -> 
     if split_model.warned_sizes:
         return
     split_model.warned_sizes = True
-    where = f" (the leading dims of {input_text(split_model.listed_shapes)})"
+    where = f" (its input: {input_text(split_model.listed_shapes)})"
     warnings.warn(
         f"{split_model.prefix}: compile_sizes {list(compile_sizes(split_model))} give one dynamic size, "
         f"but this trace's pieces vary in {len(symbols)}, so those sizes are not compiled for them. "

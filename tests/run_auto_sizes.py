@@ -15,10 +15,13 @@ obtained by size, and the first call's report kind.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -81,6 +84,21 @@ def same(out: Any, expected: Any) -> None:
 
 
 def main() -> None:
+    # Every warning the process gives (a CacheWarning, ours), for the test to read.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = run()
+    report["warnings"] = sorted(
+        {
+            f"{w.category.__name__}: {w.message}"
+            for w in caught
+            if not issubclass(w.category, DeprecationWarning)
+        }
+    )
+    print(json.dumps(report))  # noqa: T201  (the helper's report to the test)
+
+
+def run() -> dict[str, Any]:
     backend, kind = sys.argv[1], sys.argv[2]
     html = sys.argv[3] if len(sys.argv) > 3 else None
     shapes, moved = kind.startswith("shapes"), kind.endswith("moved")
@@ -92,11 +110,18 @@ def main() -> None:
     errors: list[BaseException] = []
 
     def serve(thread: int) -> None:
+        calls = 1 if kind.endswith("none") else LISTED_CALLS if kind.endswith("listed") else CALLS
+        # AUTO_SIZES_INFERENCE_MODE=1: the calls under torch.inference_mode(), as servers make them.
+        state = (
+            torch.inference_mode()
+            if os.environ.get("AUTO_SIZES_INFERENCE_MODE")
+            else contextlib.nullcontext()
+        )
         try:
-            calls = 1 if kind.endswith("none") else LISTED_CALLS if kind.endswith("listed") else CALLS
-            for i, size in enumerate(traffic(thread, calls, shapes, moved)):
-                args = inputs(size, thread * 1000 + i)
-                same(compiled(*args), reference(*args))
+            with state:
+                for i, size in enumerate(traffic(thread, calls, shapes, moved)):
+                    args = inputs(size, thread * 1000 + i)
+                    same(compiled(*args), reference(*args))
         except BaseException as e:  # reported by the main thread
             errors.append(e)
 
@@ -125,18 +150,14 @@ def main() -> None:
         with open(html, "w", encoding="utf-8") as f:
             f.write(render_html([compiled.report.as_dict()]))
     served = {label for runner in compiled.runners.values() for label, n in runner.served() if n}
-    print(  # noqa: T201  (the helper's report to the test)
-        json.dumps(
-            {
-                "first_kind": first_kind,
-                "learnt": [list(s) if isinstance(s, tuple) else s for s in report.learnt_sizes],
-                "counters": tessera.counters.snapshot(),
-                "obtained": sorted({(a.size, a.source) for a in report.artifacts}),
-                "served_by": sorted(served),
-                "files": sorted({a.file for a in compiled.report.artifacts if a.file}),
-            }
-        )
-    )
+    return {
+        "first_kind": first_kind,
+        "learnt": [list(s) if isinstance(s, tuple) else s for s in report.learnt_sizes],
+        "counters": tessera.counters.snapshot(),
+        "obtained": sorted({(a.size, a.source) for a in report.artifacts}),
+        "served_by": sorted(served),
+        "files": sorted({a.file for a in compiled.report.artifacts if a.file}),
+    }
 
 
 if __name__ == "__main__":

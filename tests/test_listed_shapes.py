@@ -194,7 +194,16 @@ def test_inductor_compiles_listed_shapes_cold_and_loads_them_warm_on_the_default
     cold = run_json("tests.run_auto_sizes", "inductor", "shapes-listed", cache=tmp_path, **defaults)
     assert cold["learnt"] == [] and cold["counters"]["inductor_compiles"] > 0
     assert {"shape 2x16", "shape 4x8"} <= set(cold["served_by"]), cold["served_by"]
-    warm = run_json("tests.run_auto_sizes", "inductor", "shapes-listed", cache=tmp_path, **defaults)
+    assert cold["warnings"] == [], cold["warnings"]  # no CacheWarning, no shape left unfitted
+    # The warm process serves under torch.inference_mode(), as a server calls.
+    warm = run_json(
+        "tests.run_auto_sizes",
+        "inductor",
+        "shapes-listed",
+        cache=tmp_path,
+        AUTO_SIZES_INFERENCE_MODE="1",
+        **defaults,
+    )
     assert warm["first_kind"] == "warm" and warm["counters"]["inductor_compiles"] == 0
-    assert warm["counters"]["graphs_traced"] == 0
+    assert warm["counters"]["graphs_traced"] == 0 and warm["warnings"] == [], warm
     assert {"shape 2x16", "shape 4x8"} <= set(warm["served_by"]), warm["served_by"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,59 +98,44 @@ def placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
 
 def placeholder_dims(gm: torch.fx.GraphModule) -> dict[str, tuple[str | None, ...]]:
     """Source name (``args[0]``) -> per dim of that graph input, the symbol Dynamo gave it (its
-    expression as text), or None for a static dim.
-
-    Read from the placeholders' ``grapharg`` and ``example_value`` metadata. A dim Dynamo
-    specialised (a default dim the code fixes) reads as static.
-
-    Checked on torch 2.11-2.15: Dynamo's node metadata and ``Source.name``; no public accessor.
-    """
-    out: dict[str, tuple[str | None, ...]] = {}
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        grapharg = node.meta.get("grapharg")
-        source = getattr(grapharg, "source", None)
-        value = node.meta.get("example_value")
-        if source is None or not isinstance(value, torch.Tensor):
-            continue
-        name = local_source_name(source.name() if callable(source.name) else str(source.name))
-        out[name] = tuple(
-            str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else None
-            for s in value.shape
-        )
-    return out
+    expression as text), or None for a static dim. A dim Dynamo specialised (a default dim the
+    code fixes) reads as static. Inputs Dynamo gave no source are left out."""
+    return {
+        name: tuple(d if isinstance(d, str) else None for d in dims)
+        for _, name, dims in _tensor_inputs(gm)
+        if name is not None
+    }
 
 
 def input_dims(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int | str, ...]]]:
     """Each tensor input of the graph, in the graph's order: its source name (``input_ids``,
     ``kwargs['x']``; ``input N`` where Dynamo left none) and per dim its size, or the name of the
     symbol Dynamo gave it where that is one bare symbol (a derived size, ``2*s0``, reads as its
-    expression text).
+    expression text)."""
+    return [(f"input {i}" if name is None else name, dims) for i, name, dims in _tensor_inputs(gm)]
+
+
+def _tensor_inputs(gm: torch.fx.GraphModule) -> Iterator[tuple[int, str | None, tuple[int | str, ...]]]:
+    """(placeholder index, source name or None, dims) of each tensor input, read from the
+    placeholders' ``grapharg`` and ``example_value`` metadata.
 
     Checked on torch 2.11-2.15: Dynamo's node metadata and ``Source.name``; no public accessor.
     """
-    out: list[tuple[str, tuple[int | str, ...]]] = []
     for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
         value = node.meta.get("example_value")
         if not isinstance(value, torch.Tensor):
             continue
         source = getattr(node.meta.get("grapharg"), "source", None)
         name = (
-            f"input {i}"
+            None
             if source is None
             else local_source_name(source.name() if callable(source.name) else str(source.name))
         )
-        out.append(
-            (
-                name,
-                tuple(
-                    str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else int(s)
-                    for s in value.shape
-                ),
-            )
+        dims = tuple(
+            str(sym_expr(s)) if isinstance(s, torch.SymInt) and not is_constant_symint(s) else int(s)
+            for s in value.shape
         )
-    return out
+        yield i, name, dims
 
 
 def local_source_name(name: str) -> str:
