@@ -133,7 +133,7 @@ class CompiledModel:
             # it inlines the model, as torch.compile inlines a nested compiled function.
             return self.model(*args, **kwargs)
         if PACER.threads:  # a trace or compile runs in the background: it gives way to this call
-            with PACER.serving():
+            with PACER.serving(eagerly=self._life.stage is Stage.EAGER):
                 return self._life.call(*args, **kwargs)
         return self._life.call(*args, **kwargs)
 

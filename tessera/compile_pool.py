@@ -107,7 +107,10 @@ class _Worker(threading.Thread):
     def run(self) -> None:
         while True:
             payload, tag, replies = self.pool.jobs.get()
-            replies.put(Reply(tag, self.serve(payload)))
+            # The worker takes a core while the job runs: the calls served as traced leave it one.
+            with self.pool.compiling():
+                result = self.serve(payload)
+            replies.put(Reply(tag, result))
 
     def serve(self, payload: bytes) -> JobDone | JobFailed:
         if self.process is None or self.process.poll() is not None:
@@ -155,6 +158,7 @@ class CompilePool:
         self.count = count
         self.jobs: queue.SimpleQueue[tuple[bytes, Any, queue.SimpleQueue[Reply]]] = queue.SimpleQueue()
         self.env = _worker_env(count, priority)
+        self.priority = priority
         self.workers = [_Worker(self, n) for n in range(count)]
         for worker in self.workers:
             worker.start()
@@ -169,6 +173,15 @@ class CompilePool:
             return False
         self.jobs.put((payload, tag, replies))
         return True
+
+    def compiling(self) -> contextlib.AbstractContextManager[None]:
+        """Counts a job's run as a compile beside the served calls (pacing.py); not at "normal"
+        priority, where nothing gives way on the cores."""
+        if self.priority == "normal":
+            return contextlib.nullcontext()
+        from tessera.pacing import PACER
+
+        return PACER.compiling()
 
     def stop(self) -> None:
         for worker in self.workers:

@@ -9,9 +9,12 @@ served, waits until it ends (the GIL is then the served call's alone), and the s
 shortened while one runs, so a call that starts gets the GIL at once. Under a stream with no gap
 between calls the background would never run; it then takes a slice of a third of a served call's
 typical time after waiting six of them in all, so a call is slower by a fraction of itself, and
-the background still finishes. A call that lasts more than twice the typical one may be waiting
-for what the background holds (a lock, the trace it needs): the background stops waiting until
-calls pause, so no call waits long on a background that waits on it.
+the background still finishes (under a stream with gaps it runs in the gaps). A call that lasts
+more than twice the typical one may be waiting for what the background holds (a lock, the trace
+it needs): the background then runs as long as it waited before it waits again, so no call waits
+long on a background that waits on it, and a call slow for another reason is not slowed further
+for all its length. A call served as traced while compiles run also leaves them a core
+(``served_threads.py``): pacing frees the GIL, and that frees a core.
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
@@ -27,6 +30,8 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from tessera import served_threads
 
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
 _WAIT = 2.0  # typical calls the background waits before it takes a slice
@@ -48,21 +53,26 @@ class Pacer:
         # background's slice and wait under a stream with no gaps scale with it.
         self.typical = 0.005
         self._interval: float | None = None  # the switch interval before, while a thread is paced
-        self.busy_periods = 0  # how many times calls started being served after none was
+        # Compiles running beside the served calls (compile threads, busy compile workers), each
+        # left a core by the calls served as traced (served_threads.py).
+        self.compiles = 0
 
     @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Count a call being served: paced background threads wait while one is."""
+    def serving(self, eagerly: bool = False) -> Iterator[None]:
+        """Count a call being served: paced background threads wait while one is. A call not
+        served ``eagerly`` leaves a core to each compile running (served_threads.py)."""
         with self._lock:
             self._serving += 1
             if self._serving == 1:
-                self.busy_periods += 1
                 self._quiet.clear()
+        full = None if eagerly or not self.compiles else served_threads.leave_cores(self.compiles)
         start = time.perf_counter()
         try:
             yield
         finally:
             took = time.perf_counter() - start
+            if full is not None:
+                served_threads.put_back(full)
             with self._lock:
                 self._serving -= 1
                 if not self._serving:
@@ -96,24 +106,38 @@ class Pacer:
             self._interval = None
 
     @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Count a compile running beside the served calls (a compile thread, a compile worker's
+        job) for its whole length."""
+        with self._lock:
+            self.compiles += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.compiles -= 1
+
+    @contextlib.contextmanager
     def paced(self, counted: bool = False) -> Iterator[None]:
         """Run the body (in a background thread) giving way to served calls: see the module's
         doc. Python's trace function is per thread: the calling thread only is paced.
         ``counted``: the starting thread called ``expect`` for it."""
         previous = sys.gettrace()
-        # The end of the slice taken while calls are served; the busy period no more waited in;
-        # the seconds waited since the last slice.
-        until, unpaced, waited = [0.0], [-1], [0.0]
+        # The end of the slice taken while calls are served; the seconds waited since the last.
+        until, waited = [0.0], [0.0]
         is_quiet, wait, now = self._quiet.is_set, self._quiet.wait, time.perf_counter
 
         def give_way(frame: Any, event: str, arg: Any) -> None:
-            if is_quiet() or now() < until[0] or unpaced[0] == self.busy_periods:
+            if is_quiet() or now() < until[0]:
                 return None
             start = now()
-            if not wait(max(_MIN_WAIT, _WAIT * self.typical)):
+            longest = max(_MIN_WAIT, _WAIT * self.typical)
+            if not wait(longest):
                 # A call far longer than the typical one: it may wait for what this thread holds
-                # (a lock, a trace it needs), so this thread stops waiting until calls pause.
-                unpaced[0] = self.busy_periods
+                # (a lock, a trace it needs), so this thread runs as long as it waited, then waits
+                # again: it finishes what the call waits for at half speed, and a call slow for
+                # another reason is not slowed further for all its length.
+                until[0] = now() + longest
                 return None
             waited[0] += now() - start
             if waited[0] > _STARVED * self.typical:  # calls without a pause: a slice, then on

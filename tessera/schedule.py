@@ -115,6 +115,7 @@ class Background:
             self._run,
             then,
             priority=self.owner.config.background_priority,
+            compiles=True,
         )
 
     def compile_all(self, progress: CompileProgress | None = None) -> None:
@@ -220,13 +221,17 @@ class Background:
             )
 
 
-def _paced(priority: str, fn: Callable[..., None], *args: Any) -> None:
+def _paced(priority: str, compiles: bool, fn: Callable[..., None], *args: Any) -> None:
     lower_thread(priority)
-    with PACER.paced(counted=True):
+    # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
+    compiling = PACER.compiling() if compiles and priority != "normal" else contextlib.nullcontext()
+    with PACER.paced(counted=True), compiling:
         fn(*args)
 
 
-def start_thread(name: str, fn: Callable[..., None], *args: Any, priority: str) -> threading.Thread:
+def start_thread(
+    name: str, fn: Callable[..., None], *args: Any, priority: str, compiles: bool = False
+) -> threading.Thread:
     """Run ``fn(*args)`` in a compile thread of its own (the background compile, the learning).
 
     Not a daemon: a process that exits first waits for it, and the cache gets every artifact. A
@@ -237,11 +242,13 @@ def start_thread(name: str, fn: Callable[..., None], *args: Any, priority: str) 
     a new thread starts with an empty context, so the user's settings, which the cache key has
     read, would be missing from the compile. It gives way to the calls being served (pacing.py), on
     the GIL and, at ``priority`` (``CompileConfig.background_priority``), on the cores
-    (priority.py)."""
+    (priority.py); a thread that ``compiles`` is also left a core by the calls served as traced
+    (served_threads.py)."""
     _compat.isolate_fx_tracing()
     _compat.settle_device_guards()
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(_paced, priority, fn, *args), name=name, daemon=False)
+    run = (_paced, priority, compiles, fn, *args)
+    thread = threading.Thread(target=context.run, args=run, name=name, daemon=False)
     PACER.expect()
     try:
         thread.start()

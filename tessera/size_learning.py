@@ -183,6 +183,7 @@ class SizeLearning:
             f"tessera-learn-{self.owner.prefix}",
             self._learn_loop,
             priority=self.owner.config.background_priority,
+            compiles=True,
         )
 
     def _learn_loop(self) -> None:

@@ -144,3 +144,24 @@ class PriorityRecordingCompiler:
 
     def load(self, handle, graph, example_inputs, index, size):
         return graph.forward
+
+
+class BlockingCompiler:
+    """Compiles nothing until ``release`` is set: the background compile stays running, so the
+    calls served meanwhile are served beside a compile."""
+
+    name = "blocking"
+    release: ClassVar[Any] = None  # a threading.Event, set by the test
+
+    def compute_hash(self) -> str:
+        return "blocking-v1"
+
+    def initialize_cache(self, cache_dir: Any) -> None:
+        pass
+
+    def compile(self, graph, example_inputs, config, size, key):
+        assert BlockingCompiler.release is not None and BlockingCompiler.release.wait(120)
+        return graph.forward, None
+
+    def load(self, handle, graph, example_inputs, index, size):
+        return graph.forward

@@ -217,6 +217,54 @@ def test_a_call_that_waits_for_what_a_paced_thread_holds_does_not_wait_on_its_pa
     assert ticks[0] >= 1_500_000 and waited < 2.5, waited
 
 
+def _learn_typical_call(seconds: float = 0.005) -> None:
+    for _ in range(10):
+        with PACER.serving():
+            time.sleep(seconds)
+
+
+def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
+    ticks, stop = [0], threading.Event()
+    thread = threading.Thread(target=_spin, args=(ticks, stop))
+    thread.start()
+    try:
+        _learn_typical_call()
+        during = gaps = 0
+        for _ in range(60):  # 5 ms calls, 5 ms apart: the thread never starves, so takes no slice
+            start = ticks[0]
+            with PACER.serving():
+                time.sleep(0.005)
+            middle = ticks[0]
+            time.sleep(0.005)
+            during, gaps = during + middle - start, gaps + ticks[0] - middle
+    finally:
+        stop.set()
+        thread.join()
+    # A step or so per call (the one under way when it starts); a slice would be thousands.
+    assert gaps > 10_000 and during < 0.01 * gaps, (during, gaps)
+
+
+def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_its_length():
+    ticks, stop = [0], threading.Event()
+    thread = threading.Thread(target=_spin, args=(ticks, stop))
+    thread.start()
+    try:
+        _learn_typical_call()
+        start = ticks[0]
+        time.sleep(0.3)
+        quiet = ticks[0] - start
+        start = ticks[0]
+        with PACER.serving():  # 60 typical calls long, waiting on nothing the thread holds
+            time.sleep(0.3)
+        during = ticks[0] - start
+    finally:
+        stop.set()
+        thread.join()
+    # The thread waits two typical calls, runs as long, and waits again: about half its quiet
+    # speed (it ran the whole call, after its first wait, before).
+    assert quiet > 0 and 0.2 * quiet < during < 0.75 * quiet, (quiet, during)
+
+
 def test_is_compiling_answers_for_the_compiling_thread_only():
     _compat.isolate_compiling_flag()
     if not hasattr(torch.compiler, "_compile_session_context"):

@@ -79,6 +79,7 @@ from tessera._compat.runtime import (
     has_forward_hooks as has_forward_hooks,
     interpreter_exiting as interpreter_exiting,
     join_before_pools_shut as join_before_pools_shut,
+    openmp_runtime as openmp_runtime,
     trace_artifact as trace_artifact,
 )
 from tessera._compat.tensors import (

@@ -1,4 +1,5 @@
-"""nn.Module's hooks, torch's structured trace and the order of thread joins at exit.
+"""nn.Module's hooks, torch's structured trace, the order of thread joins at exit and OpenMP's
+thread count.
 
 Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
 """
@@ -6,7 +7,11 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
+import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -118,3 +123,62 @@ def interpreter_exiting() -> bool:
     run) CPython 3.11 still reports the main thread alive; the private ``threading._SHUTTING_DOWN``
     is set first. Checked on torch 2.11, 2.13 (CPython 3.10-3.13's private flag; no torch API)."""
     return bool(getattr(threading, "_SHUTTING_DOWN", False)) or not threading.main_thread().is_alive()
+
+
+# -- OpenMP's thread count ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OpenMP:
+    """The OpenMP runtime torch's CPU ops run on: the calling thread's team size, read and set.
+    Checked on torch 2.13, 2.14.1: see ``openmp_runtime``."""
+
+    path: str
+    get_threads: Callable[[], int]  # omp_get_max_threads
+    set_threads: Callable[[int], None]  # omp_set_num_threads
+
+
+# The OpenMP runtimes a torch build loads: GNU's in the Linux wheels, LLVM's or Intel's elsewhere.
+# Checked on torch 2.13, 2.14.1 (libgomp).
+_OPENMP_NAMES = ("libgomp", "libomp", "libiomp5")
+
+
+@functools.cache
+def openmp_runtime() -> OpenMP | None:
+    """The OpenMP runtime this process's torch loaded, or None (a build on another parallel
+    backend, or none found).
+
+    Checked on torch 2.13 (CPU) and 2.14.1 (CUDA build): both load ``torch/lib/libgomp.so.1``.
+    ``torch.set_num_threads`` is no substitute: it also sets a process-wide count that every thread
+    reads at its first parallel op and that Inductor's code generation reads (``num_threads(N)``
+    is then written into the kernels), where ``omp_set_num_threads`` sets the calling thread's
+    count only (OpenMP's ``nthreads-var`` is a per-thread setting). No public torch API sets one
+    thread's count.
+    """
+    if not torch.backends.openmp.is_available():  # type: ignore[no-untyped-call]  # untyped in torch
+        return None
+    for path in _loaded_libraries():
+        if os.path.basename(path).startswith(_OPENMP_NAMES):
+            try:
+                library = ctypes.CDLL(path)  # already loaded by torch: the same handle
+                get_threads, set_threads = library.omp_get_max_threads, library.omp_set_num_threads
+            except (OSError, AttributeError) as e:
+                log.debug("OpenMP runtime %s not usable: %s", path, e)
+                continue
+            get_threads.restype, get_threads.argtypes = ctypes.c_int, []
+            set_threads.restype, set_threads.argtypes = None, [ctypes.c_int]
+            return OpenMP(path, get_threads, set_threads)
+    return None
+
+
+def _loaded_libraries() -> list[str]:
+    """The shared libraries mapped into this process (Linux), else those torch ships beside it.
+    Checked on torch 2.13, 2.14.1: ``torch/lib`` holds them."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
+        return sorted(paths)
+    except OSError:
+        library_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+        try:
+            return sorted(os.path.join(library_dir, name) for name in os.listdir(library_dir))
+        except OSError:
+            return []

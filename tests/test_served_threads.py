@@ -1,0 +1,124 @@
+"""A call served as traced while compiles run beside it leaves them a core (served_threads.py):
+its thread's OpenMP count is one fewer per compile, put back after, and nothing else changes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tessera
+from tessera import _compat, served_threads
+from tessera.models import toy_llama
+from tessera.pacing import PACER
+from tests.custom_compiler import BlockingCompiler
+
+BLOCKING = "tests.custom_compiler:BlockingCompiler"
+
+pytestmark = pytest.mark.skipif(
+    _compat.openmp_runtime() is None, reason="this torch has no OpenMP runtime (another parallel backend)"
+)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _in_thread(fn):
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_a_thread_that_leaves_cores_runs_on_fewer_and_no_other_thread_does(two_threads):
+    inside, started, done = [], threading.Event(), threading.Event()
+
+    def other() -> None:  # a thread already running: its count is its own
+        started.set()
+        done.wait(30)
+        inside.append(torch.get_num_threads())
+
+    neighbour = threading.Thread(target=other)
+    neighbour.start()
+    started.wait(30)
+    full = served_threads.leave_cores(1)
+    try:
+        assert full == 2 and torch.get_num_threads() == 1
+        # A thread started now, and one that was running, keep the process's count: Inductor's
+        # code generation in a compile thread reads it.
+        assert _in_thread(torch.get_num_threads) == 2
+        done.set()
+        neighbour.join()
+        assert inside == [2]
+        x = torch.randn(64, 64)
+        torch.testing.assert_close(x @ x, (x.double() @ x.double()).float(), rtol=1e-4, atol=1e-4)
+    finally:
+        served_threads.put_back(full)
+    assert torch.get_num_threads() == 2
+    # Never below one thread; nothing to change on one thread already.
+    full = served_threads.leave_cores(5)
+    assert full == 2 and torch.get_num_threads() == 1
+    assert served_threads.leave_cores(1) is None
+    served_threads.put_back(full)
+    assert torch.get_num_threads() == 2
+
+
+def test_calls_served_beside_a_compile_leave_it_a_core_and_eager_calls_keep_theirs(two_threads):
+    with PACER.serving():
+        assert torch.get_num_threads() == 2  # no compile running
+    with PACER.compiling():
+        with PACER.serving():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with PACER.serving(eagerly=True):
+            assert torch.get_num_threads() == 2
+    assert PACER.compiles == 0
+
+
+@pytest.mark.parametrize("priority", ["low", "normal"])
+def test_a_model_serves_on_fewer_threads_while_its_compile_runs_and_on_all_once_ready(
+    monkeypatch, two_threads, priority
+):
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    BlockingCompiler.release = threading.Event()
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend=BLOCKING, background_priority=priority)
+    seen: list[int] = []  # each served call's thread count
+    recording = [False]
+
+    def record(module, args):
+        if recording[0]:
+            seen.append(torch.get_num_threads())
+
+    # The root's hooks run inside the served call (tessera runs them itself): they see its count.
+    model.register_forward_pre_hook(record)
+
+    def call(n: int) -> None:
+        args = toy_llama.example_inputs(n)
+        recording[0] = True
+        try:
+            got = compiled(*args)
+        finally:
+            recording[0] = False
+        torch.testing.assert_close(got, model(*args), msg=f"{n} tokens, stage {compiled.stage.value}")
+
+    try:
+        call(5)  # served eagerly while the trace is made beside it
+        assert compiled.wait_traced(60)
+        for n in (7, 9):  # served as traced while the compile waits
+            call(n)
+        assert not compiled.ready
+    finally:
+        BlockingCompiler.release.set()
+    assert compiled.wait_ready(60)
+    call(10)
+    fewer = 1 if priority == "low" else 2  # at "normal" nothing gives way on the cores
+    assert seen == [2, fewer, fewer, 2]  # eager, as traced beside the compile, compiled
+    assert PACER.compiles == 0
