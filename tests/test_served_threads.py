@@ -3,7 +3,9 @@ its thread's OpenMP count is one fewer per compile, put back after, and nothing 
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -122,3 +124,35 @@ def test_a_model_serves_on_fewer_threads_while_its_compile_runs_and_on_all_once_
     fewer = 1 if priority == "low" else 2  # at "normal" nothing gives way on the cores
     assert seen == [2, fewer, fewer, 2]  # eager, as traced beside the compile, compiled
     assert PACER.compiles == 0
+
+
+@pytest.mark.inductor
+def test_inductor_calls_served_beside_the_compile_leave_it_a_core_and_equal_eager(monkeypatch, two_threads):
+    # The defaults: Inductor, background compile, eager first; calls keep coming while it compiles.
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, compile_sizes=[8])
+    seen: list[int] = []
+    recording = [False]
+    model.register_forward_pre_hook(
+        lambda module, args: seen.append(torch.get_num_threads()) if recording[0] else None
+    )
+    deadline = time.monotonic() + 300
+    for n in itertools.cycle([5, 8, 11, 6, 9]):  # a stream with gaps, as a service sees
+        if compiled.ready:
+            break
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        args = toy_llama.example_inputs(n)
+        recording[0] = True
+        got = compiled(*args)
+        recording[0] = False
+        torch.testing.assert_close(got, model(*args), msg=f"{n} tokens, stage {compiled.stage.value}")
+        time.sleep(0.01)
+    # The first call was served eagerly on both threads; some were served as traced or compiled
+    # beside the compile, on one; none after.
+    assert seen[0] == 2 and 1 in seen, seen
+    recording[0] = True
+    for n in (5, 8, 13):
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
+    assert seen[-3:] == [2, 2, 2]
