@@ -12,7 +12,9 @@ served it. Printed per model:
   at most 1.1);
 - ``worst_call_ratio``: tessera's slowest call of the stream over eager's median call at the same
   size (bar: at most 2);
-- ``calls_over_2x``: how many of tessera's calls took more than twice eager's median at their size;
+- ``calls_over_2x``: how many of tessera's calls took more than twice eager's median at their size
+  (``calls_over_2x_by_stage``: by what served them, ``eager`` while the trace is made; and
+  ``worst_call_stage_and_second``: what served the slowest, and when in the stream);
 - ``p99_call_ratio``: the 99th percentile of tessera's calls, each over eager's median at its size;
 - ``eager_worst_call_ratio`` / ``eager_calls_over_2x`` / ``eager_p99_call_ratio``: the same for
   eager's own stream: the machine's noise, the floor the bar is read against;
@@ -185,8 +187,12 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         for a, b in zip(ours["outputs"], eager["outputs"], strict=True)
     ]
     by_stage: dict[str, int] = {}
-    for call in ours["calls"]:
+    over_by_stage: dict[str, int] = {}
+    for call, ratio in zip(ours["calls"], stream, strict=True):
         by_stage[call["stage"]] = by_stage.get(call["stage"], 0) + 1
+        if ratio > 2:
+            over_by_stage[call["stage"]] = over_by_stage.get(call["stage"], 0) + 1
+    worst = max(range(len(stream)), key=stream.__getitem__)
     return {
         "eager_first_output_s": round(eager["first_output"], 3),
         "tessera_first_output_s": round(ours["first_output"], 3),
@@ -195,6 +201,8 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "tessera_median_call_ms": round(statistics.median(c["seconds"] for c in ours["calls"]) * 1e3, 3),
         "worst_call_ratio": round(max(stream), 2),
         "calls_over_2x": sum(r > 2 for r in stream),
+        "calls_over_2x_by_stage": over_by_stage,
+        "worst_call_stage_and_second": [ours["calls"][worst]["stage"], ours["calls"][worst]["at"]],
         "p99_call_ratio": p99(stream),
         "calls": len(stream),
         "eager_worst_call_ratio": round(max(eager_stream), 2),
