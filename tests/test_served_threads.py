@@ -4,6 +4,7 @@ its thread's OpenMP count is one fewer per compile, put back after, and nothing 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
@@ -37,6 +38,21 @@ def _in_thread(fn):
     thread.start()
     thread.join()
     return result[0]
+
+
+def test_the_runtime_set_is_the_one_torch_ships_when_it_ships_one():
+    package = os.path.dirname(os.path.dirname(torch.__file__))
+    shipped = [
+        name
+        for folder in (os.path.join(package, "torch", "lib"), os.path.join(package, "torch.libs"))
+        if os.path.isdir(folder)
+        for name in os.listdir(folder)
+        if name.startswith(("libgomp", "libomp", "libiomp5"))
+    ]
+    if not shipped:
+        pytest.skip("this torch uses a system OpenMP runtime")
+    runtime = _compat.openmp_runtime()
+    assert runtime is not None and runtime.path.startswith(os.path.join(package, "torch")), runtime
 
 
 def test_a_thread_that_leaves_cores_runs_on_fewer_and_no_other_thread_does(two_threads):

@@ -170,12 +170,14 @@ def openmp_runtime() -> OpenMP | None:
 
 
 def _loaded_libraries() -> list[str]:
-    """The shared libraries mapped into this process (Linux), else those torch ships beside it.
-    Checked on torch 2.13, 2.14.1: ``torch/lib`` holds them."""
+    """The shared libraries mapped into this process (Linux), torch's own first (another
+    extension may map an OpenMP runtime of its own), else those torch ships beside it.
+    Checked on torch 2.13, 2.14.1: ``torch/lib`` holds them (``torch.libs`` in older wheels)."""
+    package = os.path.dirname(os.path.dirname(torch.__file__))
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if line.rstrip().endswith((".so", ".so.1", ".so.5"))}
-        return sorted(paths)
+        return sorted(paths, key=lambda path: (not path.startswith(package + os.sep + "torch"), path))
     except OSError:
         library_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
         try:
