@@ -4,10 +4,9 @@ A CPU op runs its parallel regions on a team of OpenMP threads, one per core by 
 compile runs beside the served calls, Inductor's C++ compiler takes a core, and a team as large as
 the machine then waits for that core at every parallel region: the compiler is at a low priority
 (priority.py), but the kernel lets it finish its slice before a woken team thread runs. Measured
-on the toy Llama, 4 layers, 2-core CPU, first 30 s after a cold start (``python -m
-benchmarks.first_minute``): while the compiles ran, 30-76 of ~170 calls per 5 s took more than
-twice eager's median, the worst 60x; with the served call's team at one thread, 1-9, and no call
-slower than eager's own slowest.
+on the 2-core CPU over the first minute after a cold start (``python -m benchmarks.first_minute``,
+docs/serving.md): the 99th percentile of the toy Llama's calls (4 layers) over eager's median fell
+from 13.3x to 2.1x with the team one thread smaller beside a compile (eager's own: 1.9x).
 
 So while compiles run, a call served by a trace runs its parallel regions on one thread fewer per
 compile (at least one), and its thread's count is put back when it returns. OpenMP's count is per

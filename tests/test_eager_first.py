@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -177,10 +178,7 @@ def _spin(ticks: list[int], stop: threading.Event, hold: threading.Lock | None =
 
 
 def test_a_paced_thread_waits_while_calls_are_served():
-    ticks, stop = [0], threading.Event()
-    thread = threading.Thread(target=_spin, args=(ticks, stop))
-    thread.start()
-    try:
+    with _spinning() as ticks:
         start = ticks[0]
         time.sleep(0.2)
         quiet = ticks[0] - start
@@ -192,9 +190,6 @@ def test_a_paced_thread_waits_while_calls_are_served():
             with PACER.serving():
                 time.sleep(0.005)
         during = ticks[0] - start
-    finally:
-        stop.set()
-        thread.join()
     assert quiet > 0 and during < 0.5 * quiet, (quiet, during)
     assert PACER.threads == 0
 
@@ -223,11 +218,21 @@ def _learn_typical_call(seconds: float = 0.005) -> None:
             time.sleep(seconds)
 
 
-def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
+@contextmanager
+def _spinning() -> Iterator[list[int]]:
+    """A paced thread counting its steps (the list's one item) until the block ends."""
     ticks, stop = [0], threading.Event()
     thread = threading.Thread(target=_spin, args=(ticks, stop))
     thread.start()
     try:
+        yield ticks
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
+    with _spinning() as ticks:
         _learn_typical_call()
         during = gaps = 0
         for _ in range(60):  # 5 ms calls, 5 ms apart: the thread never starves, so takes no slice
@@ -237,18 +242,12 @@ def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
             middle = ticks[0]
             time.sleep(0.005)
             during, gaps = during + middle - start, gaps + ticks[0] - middle
-    finally:
-        stop.set()
-        thread.join()
     # A step or so per call (the one under way when it starts); a slice would be thousands.
     assert gaps > 10_000 and during < 0.01 * gaps, (during, gaps)
 
 
 def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_its_length():
-    ticks, stop = [0], threading.Event()
-    thread = threading.Thread(target=_spin, args=(ticks, stop))
-    thread.start()
-    try:
+    with _spinning() as ticks:
         _learn_typical_call()
         start = ticks[0]
         time.sleep(0.3)
@@ -257,9 +256,6 @@ def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_
         with PACER.serving():  # 60 typical calls long, waiting on nothing the thread holds
             time.sleep(0.3)
         during = ticks[0] - start
-    finally:
-        stop.set()
-        thread.join()
     # The thread waits two typical calls, runs as long, and waits again: about half its quiet
     # speed (it ran the whole call, after its first wait, before).
     assert quiet > 0 and 0.2 * quiet < during < 0.75 * quiet, (quiet, during)

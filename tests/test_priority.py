@@ -15,6 +15,7 @@ from tessera import priority
 from tessera.errors import ConfigError
 from tessera.models import toy_llama
 from tests.custom_compiler import PriorityRecordingCompiler
+from tests.threads import in_thread
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="a thread has a priority of its own on Linux only"
@@ -26,14 +27,6 @@ def _nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def _in_thread(fn):
-    result = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    thread.join()
-    return result[0]
-
-
 @linux_only
 def test_lowering_a_thread_leaves_the_others_and_normal_changes_nothing():
     before = _nice()
@@ -41,19 +34,19 @@ def test_lowering_a_thread_leaves_the_others_and_normal_changes_nothing():
     def lowered() -> tuple[bool, int, int]:
         return priority.lower_thread("low"), _nice(), os.sched_getscheduler(0)
 
-    assert _in_thread(lowered) == (True, priority.LOW_NICE, os.SCHED_OTHER)
+    assert in_thread(lowered) == (True, priority.LOW_NICE, os.SCHED_OTHER)
     assert _nice() == before  # the calling thread, and so the process's served calls, keep theirs
 
     def idle() -> tuple[bool, int]:
         return priority.lower_thread("idle"), os.sched_getscheduler(0)
 
-    assert _in_thread(idle) == (True, os.SCHED_IDLE)
+    assert in_thread(idle) == (True, os.SCHED_IDLE)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
 
     def normal() -> tuple[bool, int]:
         return priority.lower_thread("normal"), _nice()
 
-    assert _in_thread(normal) == (False, before)
+    assert in_thread(normal) == (False, before)
 
 
 def test_elsewhere_than_linux_a_thread_is_left_as_it_is(monkeypatch):

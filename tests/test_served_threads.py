@@ -16,6 +16,7 @@ from tessera import _compat, served_threads
 from tessera.models import toy_llama
 from tessera.pacing import PACER
 from tests.custom_compiler import BlockingCompiler
+from tests.threads import in_thread
 
 BLOCKING = "tests.custom_compiler:BlockingCompiler"
 
@@ -30,14 +31,6 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
-
-
-def _in_thread(fn):
-    result = []
-    thread = threading.Thread(target=lambda: result.append(fn()))
-    thread.start()
-    thread.join()
-    return result[0]
 
 
 def test_the_runtime_set_is_the_one_torch_ships_when_it_ships_one():
@@ -71,7 +64,7 @@ def test_a_thread_that_leaves_cores_runs_on_fewer_and_no_other_thread_does(two_t
         assert full == 2 and torch.get_num_threads() == 1
         # A thread started now, and one that was running, keep the process's count: Inductor's
         # code generation in a compile thread reads it.
-        assert _in_thread(torch.get_num_threads) == 2
+        assert in_thread(torch.get_num_threads) == 2
         done.set()
         neighbour.join()
         assert inside == [2]
