@@ -368,8 +368,9 @@ class CompiledModel:
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         if eager_first(self.compile_config):
+            config = self.compile_config
             traces.beside = Beside(
-                self.name, self._target, traces.trace_beside, self.compile_config.background_priority
+                self.name, self._target, traces.trace_beside, config.background_priority, config.freeze_heap
             )
             traces.beside.on_failure = self._trace_beside_failed
             traces.beside.uncovered = traces.uncovered

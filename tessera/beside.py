@@ -86,9 +86,17 @@ class CallerState:
 class Beside:
     """Eager serving and the one trace in flight beside it, for one model."""
 
-    def __init__(self, name: str, forward: Callable[..., Any], trace: Tracer, priority: str = "low") -> None:
+    def __init__(
+        self,
+        name: str,
+        forward: Callable[..., Any],
+        trace: Tracer,
+        priority: str = "low",
+        freeze_heap: bool = True,
+    ) -> None:
         self.name = name
         self.priority = priority  # the trace thread's CPU priority (priority.py)
+        self.freeze_heap = freeze_heap  # no full collection while it traces (heap.py)
         self._forward = forward
         self._trace = trace
         self._lock = threading.Lock()
@@ -174,7 +182,9 @@ class Beside:
                     return
         from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
 
-        start_thread(f"tessera-trace-{self.name}", self._run, job, priority=self.priority)
+        start_thread(
+            f"tessera-trace-{self.name}", self._run, job, priority=self.priority, freeze_heap=self.freeze_heap
+        )
 
     def _run(self, job: Job | None) -> None:
         if job is None:

@@ -188,6 +188,10 @@ class CompileConfig:
             "BACKGROUND_PRIORITY", "low", str, lambda x: v.check_choice("background_priority", x, PRIORITIES)
         )
     )
+    # While a background trace or compile runs, no full garbage collection (each walks the whole
+    # heap, 100-300 ms, while a request waits); the heap is frozen when it ends, keeping the cyclic
+    # garbage it left (a few MB) for good (heap.py). False: CPython's collections as they are.
+    freeze_heap: bool = field(default_factory=lambda: not v.env_off("FREEZE_HEAP"))
     # Worker processes that compile the static sizes (compile_sizes) while this process compiles
     # the general artifacts (in the background, or up front), started on the first model that
     # needs them and kept for the process; artifacts are the same as compiled here. 0: none.
@@ -216,6 +220,7 @@ class CompileConfig:
         v.check_bool("eager_first", self.eager_first)
         v.check_choice("background_priority", self.background_priority, PRIORITIES)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
+        v.check_bool("freeze_heap", self.freeze_heap)
         v.check_workers(self.compile_workers)
         v.check_max_traces(self.max_traces)
         v.check_auto_sizes(self.auto_sizes)

@@ -23,6 +23,7 @@ from tessera.compile_pool import WorkerFanOut
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import CompilesInWorkers
 from tessera.config import CompileConfig, Size, size_label
+from tessera.heap import HEAP
 from tessera.pacing import PACER
 from tessera.priority import lower_thread
 from tessera.split import SplitItem
@@ -116,6 +117,7 @@ class Background:
             then,
             priority=self.owner.config.background_priority,
             compiles=True,
+            freeze_heap=self.owner.config.freeze_heap,
         )
 
     def compile_all(self, progress: CompileProgress | None = None) -> None:
@@ -221,16 +223,22 @@ class Background:
             )
 
 
-def _paced(priority: str, compiles: bool, fn: Callable[..., None], *args: Any) -> None:
+def _paced(priority: str, compiles: bool, freeze_heap: bool, fn: Callable[..., None], *args: Any) -> None:
     lower_thread(priority)
     # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
     compiling = PACER.compiling() if compiles and priority != "normal" else contextlib.nullcontext()
-    with PACER.paced(counted=True), compiling:
+    held = HEAP.held() if freeze_heap else contextlib.nullcontext()
+    with PACER.paced(counted=True), compiling, held:
         fn(*args)
 
 
 def start_thread(
-    name: str, fn: Callable[..., None], *args: Any, priority: str, compiles: bool = False
+    name: str,
+    fn: Callable[..., None],
+    *args: Any,
+    priority: str,
+    compiles: bool = False,
+    freeze_heap: bool = True,
 ) -> threading.Thread:
     """Run ``fn(*args)`` in a compile thread of its own (the background compile, the learning).
 
@@ -243,11 +251,12 @@ def start_thread(
     read, would be missing from the compile. It gives way to the calls being served (pacing.py), on
     the GIL and, at ``priority`` (``CompileConfig.background_priority``), on the cores
     (priority.py); a thread that ``compiles`` is also left a core by the calls served as traced
-    (served_threads.py)."""
+    (served_threads.py). With ``freeze_heap`` (``CompileConfig.freeze_heap``) no full garbage
+    collection pauses the served calls while it runs (heap.py)."""
     _compat.isolate_fx_tracing()
     _compat.settle_device_guards()
     context = contextvars.copy_context()
-    run = (_paced, priority, compiles, fn, *args)
+    run = (_paced, priority, compiles, freeze_heap, fn, *args)
     thread = threading.Thread(target=context.run, args=run, name=name, daemon=False)
     PACER.expect()
     try:

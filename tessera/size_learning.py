@@ -184,6 +184,7 @@ class SizeLearning:
             self._learn_loop,
             priority=self.owner.config.background_priority,
             compiles=True,
+            freeze_heap=self.owner.config.freeze_heap,
         )
 
     def _learn_loop(self) -> None:

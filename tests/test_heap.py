@@ -1,0 +1,174 @@
+"""No full garbage collection while a background trace or compile runs, and the heap frozen when
+the last one ends (heap.py): the pauses a request would wait for are gone, nothing else changes."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import tessera
+from tessera.heap import HEAP, Heap
+from tessera.models import toy_llama
+from tessera.schedule import start_thread
+from tests.custom_compiler import BlockingCompiler
+
+BLOCKING = "tests.custom_compiler:BlockingCompiler"
+
+
+class Node:
+    """A weak-referenceable object that can sit in a cycle."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture
+def full_collections() -> Iterator[list[float]]:
+    """The times of the generation-2 collections CPython runs meanwhile."""
+    seen: list[float] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            seen.append(time.monotonic())
+
+    gc.callbacks.append(note)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(note)
+
+
+def _grow_old_generation() -> list[list[int]]:
+    """Enough objects that survive young collections to make CPython run a full collection (once
+    those that reached the oldest generation grow by a quarter of it)."""
+    return [[i] for i in range(len(gc.get_objects()) // 2)]
+
+
+def _join_background() -> None:
+    """Wait for tessera's background threads (a model is ready just before its thread ends)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("tessera-"):
+            thread.join(60)
+
+
+def test_no_full_collection_while_held_and_young_garbage_collected_before_the_freeze(full_collections):
+    before_threshold, before_frozen = gc.get_threshold(), gc.get_freeze_count()
+    kept = _grow_old_generation()  # the control: unheld, the same growth runs full collections
+    assert full_collections, "CPython ran no full collection: the test cannot tell a held heap"
+    full_collections.clear()
+    with HEAP.held():
+        assert gc.get_threshold()[:2] == before_threshold[:2]
+        kept += _grow_old_generation()
+        assert not full_collections
+        young = weakref.ref(Node())  # cyclic garbage, still in the youngest generation
+    assert young() is None  # collected before the freeze, not kept with the heap
+    assert gc.get_threshold() == before_threshold
+    assert gc.get_freeze_count() >= before_frozen + len(kept)
+    gc.unfreeze()
+
+
+def test_the_heap_is_frozen_when_the_last_holder_ends_only():
+    heap, frozen = Heap(), gc.get_freeze_count()
+    first, second = heap.held(), heap.held()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_freeze_count() == frozen and gc.get_threshold()[2] > 10**6
+    second.__exit__(None, None, None)
+    assert gc.get_freeze_count() > frozen and gc.get_threshold()[2] < 10**6
+    gc.unfreeze()
+
+
+def test_a_threshold_the_user_set_meanwhile_is_theirs_and_a_disabled_collector_is_not_frozen():
+    before = gc.get_threshold()
+    try:
+        with HEAP.held():
+            gc.set_threshold(500, 5, 5)
+        assert gc.get_threshold() == (500, 5, 5)
+        gc.set_threshold(*before)
+        frozen = gc.get_freeze_count()
+        gc.disable()
+        with HEAP.held():
+            pass
+        assert gc.get_freeze_count() == frozen  # the user collects by hand: nothing to freeze for
+        assert gc.get_threshold() == before
+    finally:
+        gc.enable()
+        gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize("freeze_heap", [True, False])
+def test_a_background_thread_holds_full_collections_off_unless_freeze_heap_is_off(freeze_heap):
+    seen = []
+    thread = start_thread(
+        "tessera-test", lambda: seen.append(gc.get_threshold()[2]), priority="normal", freeze_heap=freeze_heap
+    )
+    thread.join()
+    assert (seen[0] > 10**6) is freeze_heap
+    assert gc.get_threshold()[2] < 10**6
+
+
+@pytest.mark.parametrize("freeze_heap", [True, False])
+def test_a_model_holds_full_collections_off_while_it_traces_and_compiles(monkeypatch, freeze_heap):
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    BlockingCompiler.release = threading.Event()
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, backend=BLOCKING, freeze_heap=freeze_heap)
+    frozen = gc.get_freeze_count()
+    try:
+        for n in (5, 7):  # eagerly while the trace is made, then as traced while the compile waits
+            args = toy_llama.example_inputs(n)
+            torch.testing.assert_close(compiled(*args), model(*args))
+            assert compiled.wait_traced(60)
+        assert (gc.get_threshold()[2] > 10**6) is freeze_heap
+    finally:
+        BlockingCompiler.release.set()
+    assert compiled.wait_ready(60)
+    _join_background()
+    assert gc.get_threshold()[2] < 10**6
+    assert (gc.get_freeze_count() > frozen) is freeze_heap
+    args = toy_llama.example_inputs(9)
+    torch.testing.assert_close(compiled(*args), model(*args))
+
+
+def test_freeze_heap_reads_the_environment_and_is_checked(monkeypatch):
+    monkeypatch.setenv("TESSERA_FREEZE_HEAP", "0")
+    assert tessera.CompileConfig().freeze_heap is False
+    monkeypatch.delenv("TESSERA_FREEZE_HEAP")
+    assert tessera.CompileConfig().freeze_heap is True
+    with pytest.raises(tessera.ConfigError, match="freeze_heap"):
+        tessera.CompileConfig(freeze_heap="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.inductor
+def test_inductor_defaults_run_no_full_collection_while_compiling_and_equal_eager(
+    monkeypatch, full_collections
+):
+    # The defaults: Inductor, background compile, eager first; calls keep coming while it compiles,
+    # and the trace and the compile allocate enough to run several full collections unheld.
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    model = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(model, compile_sizes=[8])
+    frozen = gc.get_freeze_count()
+    deadline = time.monotonic() + 300
+    for n in itertools.cycle([5, 8, 11, 6, 9]):  # a stream with gaps, as a service sees
+        if compiled.ready:
+            break
+        assert time.monotonic() < deadline, "the background compile did not finish"
+        args = toy_llama.example_inputs(n)
+        stage = compiled.stage.value
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, stage {stage}")
+        time.sleep(0.01)
+    _join_background()
+    assert not full_collections
+    for n in (5, 8, 13):
+        args = toy_llama.example_inputs(n)
+        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
+    assert gc.get_freeze_count() > frozen
