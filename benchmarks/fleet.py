@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import child_env, header
+from benchmarks import as_installed, child_env, header
 
 LAYERS = 4
 WIDTH = 128
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         print("fleet benchmark: redis-server is not on PATH (apt-get install redis-server)", file=sys.stderr)
         return 2
+    as_installed()
     result: dict[str, Any] = {
         **header("fleet"),
         "model": {"family": "toy_llama", "layers": LAYERS, "width": WIDTH},

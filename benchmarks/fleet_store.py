@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks import header
+from benchmarks import as_installed, header
 from benchmarks.fleet import LAYERS, WIDTH, _free_port, replicas
 
 BUCKET = "tessera-bench"
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--no-baseline", action="store_true", help="skip the replicas without a remote tier")
     args = parser.parse_args(argv)
+    as_installed()
     result: dict[str, Any] = {
         **header("fleet_store"),
         "model": {"family": "toy_llama", "layers": LAYERS, "width": WIDTH},

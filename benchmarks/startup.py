@@ -22,7 +22,6 @@ Two things would otherwise measure the machine rather than the implementations:
 from __future__ import annotations
 
 import argparse
-import compileall
 import gc
 import json
 import statistics
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import child_env, header
+from benchmarks import as_installed, child_env, header
 
 TOY_WIDTH: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_heads": 8, "num_kv_heads": 4}
 HF_SIZES: dict[str, Any] = {
@@ -313,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_load_paths:
         child_load_paths(args.child_load_paths)
         return 0
-    import tessera
-
-    compileall.compile_dir(Path(tessera.__file__).parent, quiet=1)  # as a wheel install would
+    as_installed()
     result: dict[str, Any] = {
         **header("startup"),
         "toy_width": TOY_WIDTH,
