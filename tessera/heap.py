@@ -14,14 +14,14 @@ most.
 
 So while any background thread ``held`` runs, full collections are off (the oldest generation's
 threshold raised), and when the last one ends the heap is *frozen* (``gc.freeze``): every object
-then alive moves to the permanent generation that collections never walk. The imports, the
-traced graphs and the compiled code live for the process anyway; the cost is the cyclic garbage
-the window left in the oldest generation, which is never collected: about 39,000 objects, 5 MB,
-no tensor storage, on the toy Llama (a young collection first frees the garbage still young). Each
-window (the first trace and compile, a size learnt later) keeps its own, once. A full collection
-afterwards walks only what was allocated since. ``CompileConfig.freeze_heap=False`` keeps
-CPython's collections as they are, pauses and all. vLLM freezes its heap after start-up for the
-same reason.
+then alive moves to the permanent generation that collections never walk. The imports, the traced
+graphs and the compiled code live for the process anyway; the cost is the cyclic garbage the window
+left in the oldest generation, which is never collected: 39,000 objects of 5 MB (their own sizes) on
+the toy Llama, 84,000 of 11 MB on tiny BERT, no tensor storage in either (a young collection first
+frees the garbage still young). Each window (the first trace and compile, a size learnt later) keeps
+its own, once. A full collection afterwards walks only what was allocated since.
+``CompileConfig.freeze_heap=False`` keeps CPython's collections as they are, pauses and all. vLLM
+freezes its heap after start-up for the same reason.
 """
 
 from __future__ import annotations
