@@ -188,9 +188,10 @@ class CompileConfig:
             "BACKGROUND_PRIORITY", "low", str, lambda x: v.check_choice("background_priority", x, PRIORITIES)
         )
     )
-    # While a background trace or compile runs, no full garbage collection (each walks the whole
-    # heap, 100-300 ms, while a request waits); the heap is frozen when it ends, keeping the cyclic
-    # garbage it left (a few MB) for good (heap.py). False: CPython's collections as they are.
+    # While a background trace or compile runs, no automatic full garbage collection (each walks
+    # the whole heap, 120-300 ms, while a request waits); the heap is frozen when it ends, keeping
+    # the cyclic garbage it left (5-11 MB on small models; more for larger compiles) for good
+    # (heap.py). The heap is the process's: False on every model keeps CPython's collections.
     freeze_heap: bool = field(default_factory=lambda: not v.env_off("FREEZE_HEAP"))
     # Worker processes that compile the static sizes (compile_sizes) while this process compiles
     # the general artifacts (in the background, or up front), started on the first model that

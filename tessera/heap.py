@@ -12,16 +12,21 @@ eager's median with full collections, 17x without, and tiny BERT's 117x and 17x.
 (generations 0 and 1) walk only the objects allocated since the last one, a few milliseconds at
 most.
 
-So while any background thread ``held`` runs, full collections are off (the oldest generation's
-threshold raised), and when the last one ends the heap is *frozen* (``gc.freeze``): every object
-then alive moves to the permanent generation that collections never walk. The imports, the traced
-graphs and the compiled code live for the process anyway; the cost is the cyclic garbage the window
-left in the oldest generation, which is never collected: 39,000 objects of 5 MB (their own sizes) on
-the toy Llama, 84,000 of 11 MB on tiny BERT, no tensor storage in either (a young collection first
-frees the garbage still young). Each window (the first trace and compile, a size learnt later) keeps
-its own, once. A full collection afterwards walks only what was allocated since.
-``CompileConfig.freeze_heap=False`` keeps CPython's collections as they are, pauses and all. vLLM
-freezes its heap after start-up for the same reason.
+So while any background thread runs (``hold``, taken by ``schedule.start_thread`` before the thread
+starts, released as it ends), CPython's automatic full collections are off (the oldest generation's
+threshold raised; a ``gc.collect()`` called by hand still walks everything), and when the last one
+ends the heap is *frozen* (``gc.freeze``): every object then alive moves to the permanent generation
+that collections never walk. The imports, the traced graphs and the compiled code of a model that
+serves for the process's life live that long anyway. The costs: the cyclic garbage the window left
+in the oldest generation is never collected (39,000 objects of 5 MB, their own sizes, on the toy
+Llama; 84,000 of 11 MB on tiny BERT; no tensor storage in either; it grows with the compile), and
+whatever was alive at the freeze is freed by reference counting only, not by the cyclic collector,
+should the process drop it later (a model it swaps out). A young collection first frees the garbage
+still young. Each window (the first trace and compile, a size learnt later) keeps its own, once. A
+full collection afterwards walks only what was allocated since. The setting is the process's: the
+heap is one, so a model with ``CompileConfig.freeze_heap=False`` only starts no window of its own,
+and every model of a process must set it for CPython's collections to run as they are, pauses and
+all. vLLM freezes its heap after start-up for the same reason.
 """
 
 from __future__ import annotations
@@ -29,12 +34,26 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
+import sys
 import threading
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
 _NEVER = 2**30  # the oldest generation's threshold while held: no full collection
+# Bound now: CUDA graph capture (cudagraph.py) stands a no-op in for gc.collect while it captures,
+# and the young collection before a freeze must be a real one.
+_collect = gc.collect
+
+
+def generational() -> bool:
+    """Whether this interpreter's collector is the generational one this module steers: a third
+    threshold that starts full collections, and a GIL. Python 3.14.0-3.14.4's incremental
+    collector reads 0 there and ignores it, and a free-threaded build has one generation; there
+    nothing is held, and nothing frozen."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    return bool(gil) and gc.get_threshold()[2] > 0
 
 
 class Heap:
@@ -45,36 +64,60 @@ class Heap:
         self._holders = 0
         self._threshold: tuple[int, ...] | None = None  # the thresholds before the first holder
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """No full collection while the body runs (in a background thread); the heap frozen when
-        the last holder ends."""
+    def hold(self) -> None:
+        """No automatic full collection until the matching ``release``: taken by the thread that
+        starts a background thread, before it starts (so no gap between a trace that ends and the
+        compile it started), and released by that thread as it ends."""
         with self._lock:
             self._holders += 1
-            if self._holders == 1:
+            if self._holders == 1 and generational():
                 self._threshold = gc.get_threshold()
                 gc.set_threshold(*self._threshold[:2], _NEVER)
+
+    def release(self) -> None:
+        """End a ``hold``; the last one freezes the heap and puts the threshold back."""
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                self._release()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """``hold`` for the body's length."""
+        self.hold()
         try:
             yield
         finally:
-            with self._lock:
-                self._holders -= 1
-                if not self._holders:
-                    self._release()
+            self.release()
 
     def _release(self) -> None:
         previous, self._threshold = self._threshold, None
-        if gc.isenabled():  # off: the user collects by hand, and nothing pauses for a freeze to save
+        if previous is None:
+            return  # another collector (generational() was false): nothing held
+        # Off (the user's gc.disable(), or tessera's own imports on another thread): no freeze.
+        if gc.isenabled():
             # The young garbage goes now (a young collection is cheap); what is in the oldest
             # generation stays, frozen.
-            gc.collect(1)
+            _collect(1)
             gc.freeze()  # moves the generations' lists whole: no object is visited
             # (No gc.get_freeze_count() here: it walks the whole frozen list, 50 ms at 530,000
             # objects, holding the GIL.)
             log.debug("heap frozen after background work")
         current = gc.get_threshold()
-        if previous is not None and current[2:] == (_NEVER,):  # not changed meanwhile by the user
+        if current[2:] == (_NEVER,):  # not changed meanwhile by the user
+            gc.set_threshold(*current[:2], *previous[2:])
+
+    def after_fork(self) -> None:
+        """In a forked child: the threads that held are the parent's, and will never release here.
+        The child starts with nothing held, and its threshold back."""
+        self._lock = threading.Lock()
+        self._holders = 0
+        previous, self._threshold = self._threshold, None
+        current = gc.get_threshold()
+        if previous is not None and current[2:] == (_NEVER,):
             gc.set_threshold(*current[:2], *previous[2:])
 
 
 HEAP = Heap()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=HEAP.after_fork)

@@ -224,12 +224,15 @@ class Background:
 
 
 def _paced(priority: str, compiles: bool, freeze_heap: bool, fn: Callable[..., None], *args: Any) -> None:
-    lower_thread(priority)
-    # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
-    compiling = PACER.compiling() if compiles and priority != "normal" else contextlib.nullcontext()
-    held = HEAP.held() if freeze_heap else contextlib.nullcontext()
-    with PACER.paced(counted=True), compiling, held:
-        fn(*args)
+    try:
+        lower_thread(priority)
+        # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
+        compiling = PACER.compiling() if compiles and priority != "normal" else contextlib.nullcontext()
+        with PACER.paced(counted=True), compiling:
+            fn(*args)
+    finally:
+        if freeze_heap:  # held by start_thread
+            HEAP.release()
 
 
 def start_thread(
@@ -259,10 +262,14 @@ def start_thread(
     run = (_paced, priority, compiles, freeze_heap, fn, *args)
     thread = threading.Thread(target=context.run, args=run, name=name, daemon=False)
     PACER.expect()
+    if freeze_heap:
+        HEAP.hold()
     try:
         thread.start()
     except BaseException:
         PACER.not_started()
+        if freeze_heap:
+            HEAP.release()
         raise
     _compat.join_before_pools_shut(thread)
     return thread

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -14,12 +15,16 @@ import pytest
 import torch
 
 import tessera
-from tessera.heap import HEAP, Heap
+from tessera.heap import HEAP, Heap, generational
 from tessera.models import toy_llama
 from tessera.schedule import start_thread
 from tests.custom_compiler import BlockingCompiler
 
 BLOCKING = "tests.custom_compiler:BlockingCompiler"
+
+pytestmark = pytest.mark.skipif(
+    not generational(), reason="a collector without generations (free-threaded, Python 3.14.0-3.14.4)"
+)
 
 
 class Node:
@@ -29,14 +34,25 @@ class Node:
         self.me = self
 
 
+@pytest.fixture(autouse=True)
+def _nothing_held() -> Iterator[None]:
+    """No background thread of an earlier test holds the heap, and the thresholds come back."""
+    _join_background()
+    assert HEAP._holders == 0
+    threshold = gc.get_threshold()
+    yield
+    gc.enable()
+    gc.set_threshold(*threshold)
+
+
 @pytest.fixture
-def full_collections() -> Iterator[list[float]]:
-    """The times of the generation-2 collections CPython runs meanwhile."""
-    seen: list[float] = []
+def full_collections() -> Iterator[list[bool]]:
+    """The generation-2 collections CPython runs meanwhile: for each, whether the heap was held."""
+    seen: list[bool] = []
 
     def note(phase: str, info: dict) -> None:
         if phase == "start" and info["generation"] == 2:
-            seen.append(time.monotonic())
+            seen.append(HEAP._holders > 0)
 
     gc.callbacks.append(note)
     try:
@@ -66,8 +82,8 @@ def test_no_full_collection_while_held_and_young_garbage_collected_before_the_fr
     with HEAP.held():
         assert gc.get_threshold()[:2] == before_threshold[:2]
         kept += _grow_old_generation()
-        assert not full_collections
         young = weakref.ref(Node())  # cyclic garbage, still in the youngest generation
+    assert not full_collections  # neither while held nor for the freeze
     assert young() is None  # collected before the freeze, not kept with the heap
     assert gc.get_threshold() == before_threshold
     assert gc.get_freeze_count() >= before_frozen + len(kept)
@@ -76,32 +92,44 @@ def test_no_full_collection_while_held_and_young_garbage_collected_before_the_fr
 
 def test_the_heap_is_frozen_when_the_last_holder_ends_only():
     heap, frozen = Heap(), gc.get_freeze_count()
-    first, second = heap.held(), heap.held()
-    first.__enter__()
-    second.__enter__()
-    first.__exit__(None, None, None)
-    assert gc.get_freeze_count() == frozen and gc.get_threshold()[2] > 10**6
-    second.__exit__(None, None, None)
+    heap.hold()
+    heap.hold()
+    try:
+        heap.release()
+        assert gc.get_freeze_count() == frozen and gc.get_threshold()[2] > 10**6
+    finally:
+        heap.release()
     assert gc.get_freeze_count() > frozen and gc.get_threshold()[2] < 10**6
     gc.unfreeze()
 
 
-def test_a_threshold_the_user_set_meanwhile_is_theirs_and_a_disabled_collector_is_not_frozen():
+def test_thresholds_the_user_set_meanwhile_are_theirs_and_a_disabled_collector_is_not_frozen():
     before = gc.get_threshold()
+    with HEAP.held():
+        gc.set_threshold(500, 5, gc.get_threshold()[2])  # the young thresholds only
+    assert gc.get_threshold() == (500, 5, before[2])
+    with HEAP.held():
+        gc.set_threshold(500, 5, 5)
+    assert gc.get_threshold() == (500, 5, 5)
+    gc.set_threshold(*before)
+    frozen = gc.get_freeze_count()
+    gc.disable()
+    with HEAP.held():
+        kept = [[i] for i in range(1000)]  # tracked, alive at the end: a freeze would take them
+    assert gc.get_freeze_count() == frozen  # the user collects by hand: nothing to freeze for
+    assert gc.get_threshold() == before and len(kept) == 1000
+
+
+def test_a_forked_child_starts_with_nothing_held():
+    HEAP.hold()
     try:
-        with HEAP.held():
-            gc.set_threshold(500, 5, 5)
-        assert gc.get_threshold() == (500, 5, 5)
-        gc.set_threshold(*before)
-        frozen = gc.get_freeze_count()
-        gc.disable()
-        with HEAP.held():
-            pass
-        assert gc.get_freeze_count() == frozen  # the user collects by hand: nothing to freeze for
-        assert gc.get_threshold() == before
+        pid = os.fork()
+        if pid == 0:  # the child: the holding thread is the parent's
+            os._exit(0 if HEAP._holders == 0 and gc.get_threshold()[2] < 10**6 else 1)
+        _, status = os.waitpid(pid, 0)
     finally:
-        gc.enable()
-        gc.set_threshold(*before)
+        HEAP.release()
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("freeze_heap", [True, False])
@@ -167,7 +195,7 @@ def test_inductor_defaults_run_no_full_collection_while_compiling_and_equal_eage
         torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, stage {stage}")
         time.sleep(0.01)
     _join_background()
-    assert not full_collections
+    assert True not in full_collections  # none while the trace or the compile held the heap
     for n in (5, 8, 13):
         args = toy_llama.example_inputs(n)
         torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
