@@ -4,10 +4,8 @@ the last one ends (heap.py): the pauses a request would wait for are gone, nothi
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 
@@ -19,6 +17,7 @@ from tessera.heap import HEAP, Heap, generational
 from tessera.models import toy_llama
 from tessera.schedule import start_thread
 from tests.custom_compiler import BlockingCompiler
+from tests.threads import stream_until_ready
 
 BLOCKING = "tests.custom_compiler:BlockingCompiler"
 
@@ -68,10 +67,13 @@ def _grow_old_generation() -> list[list[int]]:
 
 
 def _join_background() -> None:
-    """Wait for tessera's background threads (a model is ready just before its thread ends)."""
+    """Wait for tessera's background threads (a model is ready just before its thread ends): the
+    ones ``schedule.start_thread`` started, not daemons (a compile pool's workers live as long as
+    the process, and waiting on each would cost a minute per test)."""
     for thread in threading.enumerate():
-        if thread.name.startswith("tessera-"):
+        if thread.name.startswith("tessera-") and not thread.daemon:
             thread.join(60)
+            assert not thread.is_alive(), f"{thread.name} still runs after a minute"
 
 
 def test_no_full_collection_while_held_and_young_garbage_collected_before_the_freeze(full_collections):
@@ -185,15 +187,7 @@ def test_inductor_defaults_run_no_full_collection_while_compiling_and_equal_eage
     model = toy_llama.build(num_layers=1)
     compiled = tessera.compile(model, compile_sizes=[8])
     frozen = gc.get_freeze_count()
-    deadline = time.monotonic() + 300
-    for n in itertools.cycle([5, 8, 11, 6, 9]):  # a stream with gaps, as a service sees
-        if compiled.ready:
-            break
-        assert time.monotonic() < deadline, "the background compile did not finish"
-        args = toy_llama.example_inputs(n)
-        stage = compiled.stage.value
-        torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, stage {stage}")
-        time.sleep(0.01)
+    stream_until_ready(compiled, model)
     _join_background()
     assert True not in full_collections  # none while the trace or the compile held the heap
     for n in (5, 8, 13):
