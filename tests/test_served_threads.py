@@ -3,10 +3,10 @@ its thread's OpenMP count is one fewer per compile, put back after, and nothing 
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import threading
-import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from tessera import _compat, served_threads
 from tessera.models import toy_llama
 from tessera.pacing import PACER
 from tests.custom_compiler import BlockingCompiler
-from tests.threads import in_thread
+from tests.threads import in_thread, stream_until_ready
 
 BLOCKING = "tests.custom_compiler:BlockingCompiler"
 
@@ -146,17 +146,16 @@ def test_inductor_calls_served_beside_the_compile_leave_it_a_core_and_equal_eage
     model.register_forward_pre_hook(
         lambda module, args: seen.append(torch.get_num_threads()) if recording[0] else None
     )
-    deadline = time.monotonic() + 300
-    for n in itertools.cycle([5, 8, 11, 6, 9]):  # a stream with gaps, as a service sees
-        if compiled.ready:
-            break
-        assert time.monotonic() < deadline, "the background compile did not finish"
-        args = toy_llama.example_inputs(n)
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:  # the model's own calls (the reference) are not recorded
         recording[0] = True
-        got = compiled(*args)
-        recording[0] = False
-        torch.testing.assert_close(got, model(*args), msg=f"{n} tokens, stage {compiled.stage.value}")
-        time.sleep(0.01)
+        try:
+            yield
+        finally:
+            recording[0] = False
+
+    stream_until_ready(compiled, model, during=recorded)
     # The first call was served eagerly on both threads; some were served as traced or compiled
     # beside the compile, on one; none after.
     assert seen[0] == 2 and 1 in seen, seen
