@@ -80,7 +80,7 @@ def _per_replica(out: Path) -> list[dict[str, Any]]:
                 "served_eagerly": c["served_eagerly"],
                 "first_output_seconds": round(report["first_output_seconds"], 2),
                 "first_output_from_start": round(report["first_output_from_start"], 2),
-                "ready_seconds": round(report["ready_seconds"], 2),
+                "ready_seconds": round(report.get("ready_seconds", 0.0), 2),  # 0.0: stopped at the first
                 "correct": report["correct"],
             }
         )
@@ -133,7 +133,9 @@ def _first_output_rounds(scratch: Path, count: int, url: str, rounds: int) -> di
             where = scratch / f"first_{i}_{'eager' if eager else 'tessera'}"
             where.mkdir()
             remote = None if eager else f"{url}-first-{i}"
-            runs["eager" if eager else "tessera"] = replicas(where, count, remote, eager, first_only=True)
+            run = replicas(where, count, remote, eager, first_only=True)
+            run["replicas"] = _per_replica(where / "out")
+            runs["eager" if eager else "tessera"] = run
         eager_run, tessera_run = runs["eager"], runs["tessera"]
         rows.append(
             {

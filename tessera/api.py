@@ -17,26 +17,30 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessera import call_check, counters, hooks, validation
+from tessera import counters, hooks, validation
 from tessera.beside import Beside, eager_first
 from tessera.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
-from tessera.guarded import record_guarded, start_guarded
 from tessera.lifecycle import Lifecycle, Stage
+from tessera.model_view import ModelView
 from tessera.pacing import PACER
-from tessera.piece import PieceRecord
-from tessera.report import CompileReport, GuardedGraph, counter_delta, model_report, publish
-from tessera.split_model import SplitModel
-from tessera.trace_entry import Model, TraceContext, TraceEntry
-from tessera.traces import Traces
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
+
+# The traces, the compile and the report are imported where first used: a cold first call is
+# served eagerly before any of them is needed, and its trace thread imports them (_first_beside).
+if TYPE_CHECKING:
+    from tessera.assumption import Mismatch
+    from tessera.beside import Tracer
+    from tessera.report import CompileReport, GuardedGraph
+    from tessera.split_model import SplitModel
+    from tessera.trace_entry import TraceEntry
+    from tessera.traces import Traces
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def compile(
     return compiled
 
 
-class CompiledModel:
+class CompiledModel(ModelView):
     """Same call signature and results as the model; ``pieces`` and ``cache_dir`` tell the rest."""
 
     def __init__(
@@ -110,6 +114,7 @@ class CompiledModel:
         self._served_eagerly = False  # the first call was served eagerly, its trace made beside it
         self._counted_from: dict[str, int] = {}  # the counters when the first call started
         self._guarded_reason: str | None = None  # the trace beside eager found graph breaks
+        self._beside: Beside | None = None  # eager serving and the trace beside it (eager first)
         if RECORDER is not None:
             RECORDER.append(self)
 
@@ -137,27 +142,7 @@ class CompiledModel:
                 return self._life.call(*args, **kwargs)
         return self._life.call(*args, **kwargs)
 
-    # -- what a user reads ----------------------------------------------------------------------
-    @property
-    def stage(self) -> Stage:
-        """Where this model is in its life: unbuilt, tracing or ready."""
-        return self._life.stage
-
-    @property
-    def call_spec(self) -> call_check.CallSpec | None:
-        """What the trace serving last assumed of every call (None before the first trace)."""
-        return self._life.spec
-
-    @property
-    def traces(self) -> tuple[TraceEntry, ...]:
-        """Every trace the model holds, in the order made or loaded (each with its reason)."""
-        return () if self._traces is None else self._traces.entries
-
-    @property
-    def _split_model(self) -> SplitModel | None:
-        traces = self.traces
-        return traces[0].split_model if traces else None
-
+    # -- what a user reads (and model_view.py) ---------------------------------------------------
     @functools.cached_property
     def signature(self) -> inspect.Signature:
         """The call signature of the model (its forward without ``self``)."""
@@ -175,17 +160,6 @@ class CompiledModel:
     @property
     def name(self) -> str:
         return self.prefix or self._func.__qualname__
-
-    @property
-    def pieces(self) -> tuple[PieceRecord, ...]:
-        """One frozen record per piece of the first trace (empty before it, and without pieces)."""
-        return () if self._split_model is None else self._split_model.records()
-
-    @property
-    def cache_dir(self) -> Path | None:
-        """Where this model's artifacts live; None when the cache is disabled or not yet used."""
-        split_model = self._graphs[0].split_model if self._graphs else self._split_model
-        return split_model.entry.path if split_model is not None and split_model.entry is not None else None
 
     @property
     def report(self) -> CompileReport | None:
@@ -220,7 +194,7 @@ class CompiledModel:
     def wait_traced(self, timeout: float | None = None) -> bool:
         """Wait until no trace is being made beside eager (the calls served eagerly meanwhile are
         then served by the traces that cover them), at most ``timeout`` seconds; whether so."""
-        beside = self._traces.beside if self._traces is not None else None
+        beside = self._beside
         return beside is None or beside.landed.wait(timeout)
 
     def _split_models(self) -> list[SplitModel]:
@@ -228,6 +202,8 @@ class CompiledModel:
         return own + [g.split_model for g in self._graphs]
 
     def _make_report(self) -> CompileReport:
+        from tessera.report import model_report
+
         return model_report(
             self.name,
             self.compile_config,
@@ -240,54 +216,9 @@ class CompiledModel:
         )
 
     @property
-    def runners(self) -> dict[str, Any]:
-        """Compiled piece name -> its runner (what the split module calls for it)."""
-        return self._split_model.pieces.runners() if self._split_model is not None else {}
-
-    @property
-    def trace_code(self) -> types.CodeType | None:
-        """Dynamo's transformed code of the first traced entry (None when every trace was loaded)."""
-        return next((e.code for e in self.traces if e.code is not None), None)
-
-    @property
-    def check_namespace(self) -> dict[str, Any]:
-        """What the call check reads besides the arguments (the model, the objects it holds)."""
-        last = self._traces.last if self._traces is not None else None
-        return dict(last.bound) if last is not None else {}
-
-    @property
-    def marked_dims(self) -> list[tuple[str, int]]:
-        """The dims the first trace marked dynamic."""
-        return list(self._traces.marked_dims) if self._traces is not None else []
-
-    @property
-    def dropped_guards(self) -> tuple[tuple[str, int], ...]:
-        """Dynamo guards of the latest trace not re-checked, and why."""
-        return self._traces.dropped_guards if self._traces is not None else ()
-
-    @property
-    def warm_start_refused(self) -> str | None:
-        """Why a saved trace did not serve the first call (None: one did, or none was saved)."""
-        return self._traces.warm_refused if self._traces is not None else None
-
-    @property
     def entry_frame(self) -> types.FunctionType:
         """The frame tessera traces (it calls ``target``)."""
         return self._traced_fn
-
-    @property
-    def target(self) -> Callable[..., Any]:
-        """What the traced frame calls: the model's forward."""
-        return self._target
-
-    @property
-    def dynamic_dims(self) -> DynamicDims | None:
-        return self._dynamic_dims
-
-    @property
-    def split_graph(self) -> torch.fx.GraphModule | None:
-        """The split module (pieces as submodules) of the first trace, when it was traced here."""
-        return self._split_model.split_gm if self._split_model is not None else None
 
     # -- the first call ----------------------------------------------------------------------------
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -329,6 +260,8 @@ class CompiledModel:
 
     def _first_reported(self) -> None:
         """The first call's report: logged, saved with the cache entry, given to ``on_compiled``."""
+        from tessera.report import counter_delta, publish
+
         self._counters = counter_delta(self._counted_from, counters.snapshot())
         report = self._make_report()
         log.info("%s", report.summary())  # one line per model: cold or warm, cost, where
@@ -365,16 +298,15 @@ class CompiledModel:
             mark_dynamic(values, choose_dynamic_dims(self._func, values, self._dynamic_dims))
             compiled = torch.compile(self.model, backend=stock_backend(self.compile_config.backend))
             return compiled(*args, **kwargs), compiled
+        if eager_first(self.compile_config) and self._cold():
+            served = self._serve_cold(args, kwargs)
+            if served is not None:
+                return served
         traces = self._traces = self._make_traces()
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         if eager_first(self.compile_config):
-            config = self.compile_config
-            traces.beside = Beside(
-                self.name, self._target, traces.trace_beside, config.background_priority, config.freeze_heap
-            )
-            traces.beside.on_failure = self._trace_beside_failed
+            traces.beside = self._beside = self._new_beside(traces.trace_beside)
             traces.beside.uncovered = traces.uncovered
-            traces.beside.at_exit = self.wait_ready
         other = traces.load_saved()
         if other is not None:  # recorded by an earlier process: graph breaks
             log.info("%s: %s (recorded by an earlier process)", self.name, other)
@@ -384,6 +316,8 @@ class CompiledModel:
         except UnsupportedModelError as e:
             if self.compile_config.fullgraph or e.dynamo_error is None:
                 raise
+            from tessera.guarded import record_guarded
+
             record_guarded(self._traces.context if self._traces is not None else None, self.name, str(e))
             return self._start_guarded(args, kwargs, values, str(e))
         if not traces.entries and traces.beside is not None:  # served eagerly: traced beside
@@ -403,18 +337,69 @@ class CompiledModel:
             self.startup_phases["trace"] = traces.trace_seconds
 
     # -- eager first (beside.py) --------------------------------------------------------------------
+    def _new_beside(self, trace: Tracer) -> Beside:
+        config = self.compile_config
+        beside = Beside(self.name, self._target, trace, config.background_priority, config.freeze_heap)
+        beside.on_failure = self._trace_beside_failed
+        beside.at_exit = self.wait_ready
+        return beside
+
+    def _cold(self) -> bool:
+        """Whether no saved trace can serve the first call: the cache is off, or its root holds no
+        model's traces (read without the cache's machinery: cache/root.py)."""
+        from tessera.cache.root import holds_no_trace, root_path
+
+        config = self.compile_config
+        return config.disable_cache or holds_no_trace(root_path(config.cache_dir))
+
+    def _serve_cold(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Callable[..., Any]] | None:
+        """A cold first call: eager's output at once. The traces (the cache's fingerprint, the
+        compiler, the remote tier) are made by the trace thread beside it (``_first_beside``), so
+        the first output waits for none of that, nor for importing it (about 70 ms on a 2-core
+        CPU). None: the call cannot be traced in another thread; the usual path traces it here."""
+        beside = self._beside = self._new_beside(self._first_beside)
+        served = beside.serve(args, kwargs, "the first call", [])
+        if served is None:
+            self._beside = None
+            return None
+        self._served_eagerly = True
+        return served[0], hooks.around(self._module, self._eager_stage)
+
+    def _first_beside(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
+    ) -> None:
+        """The trace thread of a cold first call: the model's traces made, then the call traced
+        (the fleet's traces first, as any trace beside eager)."""
+        beside = self._beside
+        assert beside is not None, "set before the trace thread starts"
+        traces = self._make_traces()
+        traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
+        traces.beside = beside
+        beside.tracer = traces.trace_beside  # the calls kept meanwhile, and later misses
+        beside.uncovered = traces.uncovered  # (each traced if no trace covers it)
+        other = traces.load_saved()  # saved by another process since the first call looked
+        self._traces = traces  # later calls are routed by the traces from here
+        if other is not None:  # a path recorded by an earlier process: graph breaks
+            log.info("%s: %s (recorded by an earlier process)", self.name, other)
+            self._guarded_next(other.reason)
+            return
+        traces.trace_beside(args, kwargs, reason, mismatches)
+
     def _eager_stage(self, *args: Any, **kwargs: Any) -> Any:
         """A call before the first trace serves: eagerly (the traces route it once one does)."""
-        traces = self._traces
-        assert traces is not None, "eager first serves a model with traces"
+        traces, beside = self._traces, self._beside
+        if traces is not None:
+            serve = functools.partial(traces.slow, args, kwargs)
+        else:  # a cold first call's trace thread has not made the traces yet: kept, served eagerly
+            assert beside is not None, "eager first serves a model with a trace beside it"
+            serve = functools.partial(beside.missed, args, kwargs)
         if torch.is_grad_enabled():  # the grad policy of a traced call, the model's own included
             return as_inference(
-                self.name,
-                self._owner(),
-                lambda: grad_tensors((self.model, args, kwargs)),
-                lambda: traces.slow(args, kwargs),
+                self.name, self._owner(), lambda: grad_tensors((self.model, args, kwargs)), serve
             )
-        return traces.slow(args, kwargs)
+        return serve()
 
     def _trace_beside_failed(self, error: BaseException) -> None:
         """The trace made beside eager failed: graph breaks take the guarded path at the next call
@@ -422,9 +407,10 @@ class CompiledModel:
         traces = self._traces
         first = self._life.stage is Stage.EAGER
         if first and isinstance(error, UnsupportedModelError) and error.dynamo_error is not None:
+            from tessera.guarded import record_guarded
+
             record_guarded(traces.context if traces is not None else None, self.name, str(error))
-            self._guarded_reason = str(error)
-            self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+            self._guarded_next(str(error))
             return
         log.warning(
             "%s: %s cannot be traced (%s); served eagerly",
@@ -433,10 +419,18 @@ class CompiledModel:
             first_line(error),
         )
 
+    def _guarded_next(self, reason: str) -> None:
+        """Graph breaks: the next call starts again, on the guarded path (as a first call would)."""
+        self._guarded_reason = reason
+        self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+
     def _owner(self) -> Any:
         return self._module if self._module is not None else self._bound_to
 
     def _make_traces(self) -> Traces:
+        from tessera.trace_entry import Model, TraceContext
+        from tessera.traces import Traces
+
         config = self.compile_config
         context = TraceContext.open(
             config,
@@ -467,6 +461,8 @@ class CompiledModel:
         if built is not None and built[0] is entry:  # built once per entry: a switch back is cheap
             self._move(call=built[1], spec=entry.spec)
             return
+        from tessera import call_check
+
         checked = (
             call_check.make_checked_call(entry.spec, entry.fast, traces.slow, entry.bound)
             if self.compile_config.check_inputs
@@ -483,6 +479,8 @@ class CompiledModel:
     def _start_guarded(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], reason: str
     ) -> tuple[Any, Callable[..., Any]]:
+        from tessera.guarded import start_guarded
+
         assert self._traces is not None
         choice = self._traces.choose(values)
         output, call, seconds = start_guarded(

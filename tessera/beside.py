@@ -98,7 +98,7 @@ class Beside:
         self.priority = priority  # the trace thread's CPU priority (priority.py)
         self.freeze_heap = freeze_heap  # no full collection while it traces (heap.py)
         self._forward = forward
-        self._trace = trace
+        self.tracer = trace  # what traces each call (replaceable: api.py's cold first call)
         self._lock = threading.Lock()
         self._pending = False
         self.landed = threading.Event()  # set while no trace is in flight
@@ -180,7 +180,7 @@ class Beside:
                     self._pending = False
                     self.landed.set()
                     return
-        from tessera.schedule import start_thread  # the compile machinery: off `import tessera`
+        from tessera.background import start_thread  # off `import tessera`
 
         start_thread(
             f"tessera-trace-{self.name}", self._run, job, priority=self.priority, freeze_heap=self.freeze_heap
@@ -202,7 +202,7 @@ class Beside:
     def _trace_one(self, seen: Call, reason: str, mismatches: list[Mismatch], state: CallerState) -> None:
         try:
             with state.applied():
-                self._trace(seen[0], seen[1], reason, mismatches)
+                self.tracer(seen[0], seen[1], reason, mismatches)
         except Exception as e:
             self.failure = e
             log.debug("%s: the trace beside eager failed (%s)", self.name, first_line(e), exc_info=True)

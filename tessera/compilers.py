@@ -12,16 +12,17 @@ import importlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.fx
 
 from tessera import _compat, counters
-from tessera.compile_jobs import JobDone, PieceJob
 from tessera.config import CompileConfig, Size
 from tessera.errors import CompilerError, ConfigError
-from tessera.inductor_compiler import InductorCompiler
+
+if TYPE_CHECKING:
+    from tessera.compile_jobs import JobDone, PieceJob
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,8 @@ def make_compiler(backend: str) -> Compiler:
     if backend == "eager":
         return EagerCompiler()
     if backend == "inductor":
+        from tessera.inductor_compiler import InductorCompiler
+
         return InductorCompiler()
     module_name, sep, class_name = backend.partition(":")
     if not sep or not module_name or not class_name:
@@ -197,8 +200,8 @@ def check_backend(config: CompileConfig) -> None:
     compiler that does not import, or one ``mode='stock'`` cannot run."""
     if config.mode == "stock":
         _check_stock(config.backend)
-    elif config.mode != "none":
-        make_compiler(config.backend)
+    elif config.mode != "none" and config.backend not in ("inductor", "eager"):
+        make_compiler(config.backend)  # a custom one must import (the built-in ones do)
 
 
 def _check_stock(name: str) -> None:
@@ -220,3 +223,13 @@ def stock_backend(name: str) -> Callable[..., Any]:
         return inner(gm, example_inputs)
 
     return backend
+
+
+def __getattr__(name: str) -> Any:
+    # ``tessera.compilers.InductorCompiler``, imported when first read: its module (the artifact
+    # files, the cache's entry code) is not needed by a first call served eagerly.
+    if name == "InductorCompiler":
+        from tessera.inductor_compiler import InductorCompiler
+
+        return InductorCompiler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from tessera import call_check
-
 T = TypeVar("T")
 
 
@@ -33,6 +31,8 @@ def refuse_if_grad_needed(name: str, owner: Any, tensors: Any) -> None:
     needing = next((t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad), None)
     if needing is None:
         return
+    from tessera import call_check  # the refusal only: a first call served eagerly does not need it
+
     names = {id(p): n for n, p in owner.named_parameters()} if isinstance(owner, torch.nn.Module) else {}
     what = f"parameter {names[id(needing)]}" if id(needing) in names else call_check.short_repr(needing)
     raise call_check.GradientsNotSupportedError(

@@ -12,7 +12,7 @@ eager's median with full collections, 17x without, and tiny BERT's 117x and 17x.
 (generations 0 and 1) walk only the objects allocated since the last one, a few milliseconds at
 most.
 
-So while any background thread runs (``hold``, taken by ``schedule.start_thread`` before the thread
+So while any background thread runs (``hold``, taken by ``background.start_thread`` before the thread
 starts, released as it ends), CPython's automatic full collections are off (the oldest generation's
 threshold raised; a ``gc.collect()`` called by hand still walks everything), and when the last one
 ends the heap is *frozen* (``gc.freeze``): every object then alive moves to the permanent generation

@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tessera import call_check
+if TYPE_CHECKING:
+    from tessera import call_check
 
 
 class Stage(enum.Enum):

@@ -1,21 +1,20 @@
 """The background compile of a model's pieces (serve first, specialise after): the jobs a trace
 left for after its first output (work.py), the thread that compiles them, general artifacts first so
 that pieces serving as traced get compiled code soonest, then every compile size and range, and
-what waits for all of them. Also the one way a compile thread is started (``start_thread``).
+what waits for all of them. The thread is started by ``background.start_thread``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tessera import _compat
+from tessera.background import start_thread
 from tessera.cache.index import index_key
 from tessera.cache.remote import FleetWaitAbandoned, RemoteTier
 from tessera.cache.sharing import compile_turn
@@ -23,9 +22,6 @@ from tessera.compile_pool import WorkerFanOut
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import CompilesInWorkers
 from tessera.config import CompileConfig, Size, size_label
-from tessera.heap import HEAP
-from tessera.pacing import PACER
-from tessera.priority import lower_thread
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
 
@@ -221,55 +217,3 @@ class Background:
                 job.size,
                 error,
             )
-
-
-def _paced(priority: str, compiles: bool, freeze_heap: bool, fn: Callable[..., None], *args: Any) -> None:
-    try:
-        lower_thread(priority)
-        # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
-        compiling = PACER.compiling() if compiles and priority != "normal" else contextlib.nullcontext()
-        with PACER.paced(counted=True), compiling:
-            fn(*args)
-    finally:
-        if freeze_heap:  # held by start_thread
-            HEAP.release()
-
-
-def start_thread(
-    name: str,
-    fn: Callable[..., None],
-    *args: Any,
-    priority: str,
-    compiles: bool = False,
-    freeze_heap: bool = True,
-) -> threading.Thread:
-    """Run ``fn(*args)`` in a compile thread of its own (the background compile, the learning).
-
-    Not a daemon: a process that exits first waits for it, and the cache gets every artifact. A
-    compile in another thread must not make this process's other torch.compile'd functions think
-    they are being FX-traced, nor send the modules they call into its FX trace (torch 2.11-2.13,
-    see _compat.isolate_fx_tracing). It runs in a copy of this thread's context: Inductor's and
-    Dynamo's settings are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and
-    a new thread starts with an empty context, so the user's settings, which the cache key has
-    read, would be missing from the compile. It gives way to the calls being served (pacing.py), on
-    the GIL and, at ``priority`` (``CompileConfig.background_priority``), on the cores
-    (priority.py); a thread that ``compiles`` is also left a core by the calls served as traced
-    (served_threads.py). With ``freeze_heap`` (``CompileConfig.freeze_heap``) no full garbage
-    collection pauses the served calls while it runs (heap.py)."""
-    _compat.isolate_fx_tracing()
-    _compat.settle_device_guards()
-    context = contextvars.copy_context()
-    run = (_paced, priority, compiles, freeze_heap, fn, *args)
-    thread = threading.Thread(target=context.run, args=run, name=name, daemon=False)
-    PACER.expect()
-    if freeze_heap:
-        HEAP.hold()
-    try:
-        thread.start()
-    except BaseException:
-        PACER.not_started()
-        if freeze_heap:
-            HEAP.release()
-        raise
-    _compat.join_before_pools_shut(thread)
-    return thread

@@ -17,13 +17,13 @@ import torch
 
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
+from tessera.background import start_thread
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.learn import Counted, SizeLearner, SizeTally
 from tessera.piece import PieceRecord, free_symbols, shape_sources
 from tessera.piece_inputs import fixed, inputs_at
 from tessera.pieces import Pieces
-from tessera.schedule import start_thread
 from tessera.split import SplitItem
 from tessera.work import PieceWork
 

@@ -486,7 +486,7 @@ def test_a_background_thread_finds_the_device_guard_set_by_the_thread_that_start
     # the no-op CUDA device guard (FakeTensorMode.__enter__): the starting thread sets it first.
     import threading
 
-    from tessera.schedule import start_thread
+    from tessera.background import start_thread
 
     calls: list[int] = []
     monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", lambda: calls.append(threading.get_ident()))

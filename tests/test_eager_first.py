@@ -17,6 +17,7 @@ import tessera
 from tessera import _compat, counters
 from tessera.api import Stage
 from tessera.pacing import PACER
+from tests.child import run_json
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +87,30 @@ def test_the_trace_sees_the_first_call_as_it_was_not_as_the_caller_changed_it_af
         torch.testing.assert_close(compiled(two), model(two))
     with counters.expect(served_eagerly=1):  # three: no trace covers it yet
         torch.testing.assert_close(compiled(xs), model(xs))
+
+
+# What a cold first call must not wait for: the traces, the compile, the cache's entries and the
+# report, each imported (about 70 ms on a 2-core CPU) by the trace thread after eager answered.
+MACHINERY = (
+    "tessera.traces",
+    "tessera.split_model",
+    "tessera.report",
+    "tessera.inductor_compiler",
+    "tessera.cache.entry",
+)
+
+
+def test_a_cold_first_call_answers_before_the_machinery_is_imported_and_a_warm_one_loads(tmp_path):
+    cache = tmp_path / "cache"
+    cold = run_json("tests.run_cold_first", "eager", cache=cache, TESSERA_BACKGROUND_COMPILE="1")
+    assert cold["stage_after_first"] == "eager"
+    imported = cold["modules_when_the_trace_started"]
+    assert imported and not [m for m in MACHINERY if m in imported], imported
+    assert cold["traces"] == 1 and cold["warm_start"] is False
+    # The next process finds the trace saved: its first call is served by it, not eagerly.
+    warm = run_json("tests.run_cold_first", "eager", cache=cache, TESSERA_BACKGROUND_COMPILE="1")
+    assert warm["stage_after_first"] == "ready" and warm["warm_start"] is True
+    assert warm["counters"]["served_eagerly"] == 0 and warm["counters"]["graphs_traced"] == 0
 
 
 def test_calls_while_the_trace_is_made_are_served_eagerly_and_a_later_miss_is_traced_beside():

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import tessera
+from tessera.background import start_thread
 from tessera.heap import HEAP, Heap, generational
 from tessera.models import toy_llama
-from tessera.schedule import start_thread
 from tests.custom_compiler import BlockingCompiler
 from tests.threads import stream_until_ready
 
@@ -68,7 +68,7 @@ def _grow_old_generation() -> list[list[int]]:
 
 def _join_background() -> None:
     """Wait for tessera's background threads (a model is ready just before its thread ends): the
-    ones ``schedule.start_thread`` started, not daemons (a compile pool's workers live as long as
+    ones ``background.start_thread`` started, not daemons (a compile pool's workers live as long as
     the process, and waiting on each would cost a minute per test)."""
     for thread in threading.enumerate():
         if thread.name.startswith("tessera-") and not thread.daemon:

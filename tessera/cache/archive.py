@@ -19,7 +19,8 @@ from pathlib import Path, PurePosixPath
 from tessera.cache import liveness, trust
 from tessera.cache.entry import atomic_write
 from tessera.cache.liveness import INUSE, WRITERS
-from tessera.cache.pointer import WARM_DIR, read_entries, write_pointer
+from tessera.cache.pointer import read_entries, write_pointer
+from tessera.cache.root import WARM_DIR
 from tessera.cache.tools import find_entries, verify
 from tessera.errors import CacheError
 

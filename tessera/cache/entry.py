@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import filelock
-import platformdirs
 
 from tessera.cache import index as index_, liveness, trust
 from tessera.cache.index import ArtifactRecord, FileRecord, Index, IndexKey
 from tessera.cache.key import SourceFile, entry_key
 from tessera.cache.refusal import Refused
+from tessera.cache.root import root_path
 from tessera.errors import CacheWarning
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,7 @@ class CacheDamagedWarning(CacheWarning):
 
 def cache_root(configured: str | None) -> Path:
     """The root every model's entries live under: config, ``$TESSERA_CACHE_DIR``, or the user cache."""
-    chosen = configured or os.environ.get("TESSERA_CACHE_DIR") or platformdirs.user_cache_dir("tessera")
-    root = Path(chosen).expanduser()
+    root = root_path(configured)
     liveness.register_root(root)  # this process's writer lock for files under it lives there
     return root
 

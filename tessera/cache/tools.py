@@ -19,7 +19,8 @@ from tessera.cache import liveness, trust
 from tessera.cache.entry import FACTORS, INDEX, check_file, read_index
 from tessera.cache.index import FileRecord
 from tessera.cache.liveness import INUSE, TOKEN, exclusive_if_unused
-from tessera.cache.pointer import PATHS, WARM_DIR
+from tessera.cache.pointer import PATHS
+from tessera.cache.root import WARM_DIR
 
 log = logging.getLogger(__name__)
 
