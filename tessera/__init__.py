@@ -7,9 +7,13 @@ on first use, so that ``import tessera`` (or one of its submodules) costs next t
 from __future__ import annotations
 
 import importlib
+import time
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+# When tessera was imported (wall-clock seconds): where a platform does not say when the process
+# started, the report's timeline starts here (report.process_start).
+IMPORTED_AT = time.time()
 
 _EXPORTS = {
     "ArtifactDamaged": "tessera.errors",

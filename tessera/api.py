@@ -23,6 +23,7 @@ import torch
 
 from tessera import counters, hooks, validation
 from tessera.beside import Beside, eager_first
+from tessera.cache.root import nothing_saved
 from tessera.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
@@ -115,6 +116,7 @@ class CompiledModel(ModelView):
         self._counted_from: dict[str, int] = {}  # the counters when the first call started
         self._guarded_reason: str | None = None  # the trace beside eager found graph breaks
         self._beside: Beside | None = None  # eager serving and the trace beside it (eager first)
+        self._cold_failed = False  # the traces of a cold first call could not be made beside it
         if RECORDER is not None:
             RECORDER.append(self)
 
@@ -298,7 +300,7 @@ class CompiledModel(ModelView):
             mark_dynamic(values, choose_dynamic_dims(self._func, values, self._dynamic_dims))
             compiled = torch.compile(self.model, backend=stock_backend(self.compile_config.backend))
             return compiled(*args, **kwargs), compiled
-        if eager_first(self.compile_config) and self._cold():
+        if eager_first(self.compile_config) and not self._cold_failed and nothing_saved(self.compile_config):
             served = self._serve_cold(args, kwargs)
             if served is not None:
                 return served
@@ -344,21 +346,12 @@ class CompiledModel(ModelView):
         beside.at_exit = self.wait_ready
         return beside
 
-    def _cold(self) -> bool:
-        """Whether no saved trace can serve the first call: the cache is off, or its root holds no
-        model's traces (read without the cache's machinery: cache/root.py)."""
-        from tessera.cache.root import holds_no_trace, root_path
-
-        config = self.compile_config
-        return config.disable_cache or holds_no_trace(root_path(config.cache_dir))
-
     def _serve_cold(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Callable[..., Any]] | None:
-        """A cold first call: eager's output at once. The traces (the cache's fingerprint, the
-        compiler, the remote tier) are made by the trace thread beside it (``_first_beside``), so
-        the first output waits for none of that, nor for importing it (about 70 ms on a 2-core
-        CPU). None: the call cannot be traced in another thread; the usual path traces it here."""
+        """A cold first call: eager's output at once, the traces made (and imported: 50 ms on a
+        2-core CPU) by the trace thread beside it (``_first_beside``). None: the call cannot be
+        traced in another thread; the usual path traces it here."""
         beside = self._beside = self._new_beside(self._first_beside)
         served = beside.serve(args, kwargs, "the first call", [])
         if served is None:
@@ -374,18 +367,26 @@ class CompiledModel(ModelView):
         (the fleet's traces first, as any trace beside eager)."""
         beside = self._beside
         assert beside is not None, "set before the trace thread starts"
-        traces = self._make_traces()
+        try:
+            traces = self._make_traces()
+            other = traces.load_saved()  # saved by another process since the first call looked
+        except Exception as e:  # the cache or the fleet's settings: the caller's error, as before
+            log.debug("%s: the traces could not be made beside eager (%s)", self.name, first_line(e))
+            with self._lock:  # after the first call's own lifecycle moves
+                self._cold_failed = True  # the next call takes the usual path, and raises it
+                self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+            return
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         traces.beside = beside
         beside.tracer = traces.trace_beside  # the calls kept meanwhile, and later misses
         beside.uncovered = traces.uncovered  # (each traced if no trace covers it)
-        other = traces.load_saved()  # saved by another process since the first call looked
         self._traces = traces  # later calls are routed by the traces from here
         if other is not None:  # a path recorded by an earlier process: graph breaks
             log.info("%s: %s (recorded by an earlier process)", self.name, other)
+            beside.failure = UnsupportedModelError(other.reason)  # the calls kept are not traced
             self._guarded_next(other.reason)
             return
-        traces.trace_beside(args, kwargs, reason, mismatches)
+        traces.first_beside(args, kwargs)
 
     def _eager_stage(self, *args: Any, **kwargs: Any) -> Any:
         """A call before the first trace serves: eagerly (the traces route it once one does)."""

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,10 +252,9 @@ def process_start() -> float:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED
+        import tessera
 
-
-_IMPORTED = time.time()
+        return tessera.IMPORTED_AT
 
 
 def timeline(traces: Iterable[TraceSpan], split_models: Iterable[Any]) -> tuple[Span, ...]:

@@ -144,12 +144,31 @@ class Traces(SavedTraces):
             served = self._take_saved(args, kwargs)
             if served is not None:
                 return served[0]
-            counters.bump("warm_start_fallbacks")  # artifacts there, none for this call
-            nearest = self._nearest(args, kwargs, among=self.held)
-            self.warm_refused = f"this call differs from the saved traces: {nearest.words}"
-            log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
+            nearest = self._warm_refused(args, kwargs)
             return self._trace_new(args, kwargs, nearest.words, nearest.mismatches)
         return self._trace_new(args, kwargs, "the first call", [])
+
+    def first_beside(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A cold first call, served eagerly, in its trace thread (api.py): a saved trace that
+        covers it (another process saved it since the call looked) serves from now on, nothing
+        traced; else the call is traced beside eager."""
+        if self.held:
+            with self._lock:
+                entry = self._adopt_saved(args, kwargs)
+                if entry is not None:
+                    self._serving(entry)
+                    return
+            nearest = self._warm_refused(args, kwargs)
+            return self.trace_beside(args, kwargs, nearest.words, nearest.mismatches)
+        self.trace_beside(args, kwargs, "the first call", [])
+
+    def _warm_refused(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Nearest:
+        """Saved traces are there, none for this call: why, said once and kept for the report."""
+        counters.bump("warm_start_fallbacks")
+        nearest = self._nearest(args, kwargs, among=self.held)
+        self.warm_refused = f"this call differs from the saved traces: {nearest.words}"
+        log.info("%s: %s; tracing it", self.model.name, self.warm_refused)
+        return nearest
 
     def _trace_new(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]

@@ -180,6 +180,52 @@ def test_a_model_with_graph_breaks_takes_the_guarded_path_after_its_eager_first_
     assert compiled.stage is Stage.READY and compiled.traces == ()
 
 
+def test_a_cold_first_call_whose_traces_cannot_be_made_raises_at_the_next_call(monkeypatch):
+    # What the traces need (the cache's and the fleet's settings) is read by the trace thread of a
+    # cold first call: an error there reaches the caller at the next call, not eager forever.
+    from tessera.api import CompiledModel
+    from tessera.errors import ConfigError
+
+    made = CompiledModel._make_traces
+
+    def failing(self):
+        raise ConfigError("a setting the traces need is wrong")
+
+    monkeypatch.setattr(CompiledModel, "_make_traces", failing)
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), expected(model, x))  # eager answered
+    assert compiled.wait_traced(60)
+    with pytest.raises(ConfigError, match="a setting the traces need"):
+        compiled(x)
+    monkeypatch.setattr(CompiledModel, "_make_traces", made)  # the user fixes it: traced now
+    torch.testing.assert_close(compiled(x), expected(model, x))
+    assert compiled.wait_ready(60)
+    assert len(compiled.traces) == 1 and compiled.stage is Stage.READY
+
+
+def test_a_trace_saved_by_another_process_after_the_first_call_looked_serves_it(monkeypatch, tmp_path):
+    # The cache was empty when the first call looked (served eagerly, nothing imported); another
+    # process saved the model's trace before the trace thread read it: that trace is taken.
+    x = torch.randn(3, 8)
+    torch.manual_seed(0)
+    other = tessera.compile(Counting().requires_grad_(False), backend="eager", cache_dir=str(tmp_path))
+    other(x)
+    assert other.wait_ready(60) and len(other.traces) == 1
+    torch._dynamo.reset()
+    monkeypatch.setattr("tessera.api.nothing_saved", lambda config: True)
+    torch.manual_seed(0)
+    model = Counting().requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager", cache_dir=str(tmp_path))
+    with counters.expect(served_eagerly=1, graphs_traced=0):
+        torch.testing.assert_close(compiled(x), expected(model, x))
+        assert compiled.wait_ready(60)
+    assert compiled.warm_start is True and [e.loaded for e in compiled.traces] == [True]
+    with counters.expect(served_eagerly=0):
+        torch.testing.assert_close(compiled(x), expected(model, x))
+
+
 def test_background_compile_false_traces_on_the_first_call():
     model = Counting().requires_grad_(False)
     x = torch.randn(3, 8)

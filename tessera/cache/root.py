@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 WARM_DIR = "warm"  # the pointers: a model's fingerprint -> the traces saved for it (pointer.py)
 
@@ -29,3 +30,9 @@ def holds_no_trace(root: Path) -> bool:
         return True
     except OSError:
         return False
+
+
+def nothing_saved(config: Any) -> bool:
+    """Whether no saved trace can serve a first call under ``config`` (a ``CompileConfig``): the
+    cache is off, or its root holds no model's traces."""
+    return bool(config.disable_cache) or holds_no_trace(root_path(config.cache_dir))
