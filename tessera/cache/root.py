@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tessera.config import CompileConfig
 
 WARM_DIR = "warm"  # the pointers: a model's fingerprint -> the traces saved for it (pointer.py)
 
@@ -32,7 +35,7 @@ def holds_no_trace(root: Path) -> bool:
         return False
 
 
-def nothing_saved(config: Any) -> bool:
-    """Whether no saved trace can serve a first call under ``config`` (a ``CompileConfig``): the
+def nothing_saved(config: CompileConfig) -> bool:
+    """Whether no saved trace can serve a first call under ``config``: the
     cache is off, or its root holds no model's traces."""
-    return bool(config.disable_cache) or holds_no_trace(root_path(config.cache_dir))
+    return config.disable_cache or holds_no_trace(root_path(config.cache_dir))
