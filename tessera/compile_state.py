@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -33,6 +34,40 @@ class _CompileLock:
     so taking it (and not a lock of our own beside it) also keeps one lock order: a lock of ours
     taken first in a background thread and Dynamo's taken first by a trace deadlocked.
     """
+
+    def __init__(self) -> None:
+        self._traces = 0  # traces waiting for the lock (``for_trace``)
+        self._no_trace_waits = threading.Condition()
+
+    @contextlib.contextmanager
+    def for_trace(self) -> Iterator[None]:
+        """The lock, for a trace: taken before the next background compile that asks for it
+        (``after_traces``). A trace is what lets calls of a new shape leave eager serving, and
+        each compile of a general or specialized artifact only makes a covered call faster: a
+        trace that waited behind a model's whole background compile (Python's locks are not
+        fair: a thread that releases and takes again keeps it) left BERT's calls of a new length
+        served eagerly for 20 s on the 2-core CPU."""
+        with self._no_trace_waits:
+            self._traces += 1
+        try:
+            self.__enter__()
+        finally:
+            with self._no_trace_waits:
+                self._traces -= 1
+                self._no_trace_waits.notify_all()
+        try:
+            yield
+        finally:
+            self.__exit__(None, None, None)
+
+    def after_traces(self) -> _CompileLock:
+        """The lock for a background compile's job (``with COMPILE_LOCK.after_traces():``),
+        taken after every trace waiting for it. A thread that holds it already (a compile in the
+        foreground, under Dynamo's own call of a backend) does not wait: a trace waits for it."""
+        if not _compat.holds_compile_lock():
+            with self._no_trace_waits:
+                self._no_trace_waits.wait_for(lambda: not self._traces)
+        return self
 
     def __enter__(self) -> None:
         lock = _compat.dynamo_compile_lock()

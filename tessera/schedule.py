@@ -142,7 +142,7 @@ class Background:
             item, size = job.work.item, job.size
             if progress is not None:
                 progress.start(item.name, size_label(size))
-            with COMPILE_LOCK:
+            with COMPILE_LOCK.after_traces():  # a trace waiting goes first (compile_state.py)
                 key = owner.artifact_cache.content_key(job.work.content, size)
                 outcome = owner.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
             install(job, outcome)

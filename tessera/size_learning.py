@@ -210,7 +210,7 @@ class SizeLearning:
             with self.owner.state.applied():
                 for item, content, inputs in self._works(static):
                     key = self.owner.artifact_cache.content_key(content, static)
-                    with COMPILE_LOCK:
+                    with COMPILE_LOCK.after_traces():
                         outcome = self.owner.artifact_cache.get(item.graph, inputs, static, item.index, key)
                     obtained.append((item, outcome))
             with COMPILE_LOCK:

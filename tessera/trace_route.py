@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tessera import _compat, call_args, call_check, call_shapes
-from tessera.assumption import Kind, Mismatch
+from tessera.assumption import Assumption, Kind, Mismatch
 from tessera.layout import to_layout
 from tessera.trace_entry import TraceEntry
 from tessera.trace_plan import changed_dims
@@ -49,8 +49,10 @@ def covering(
             n_args, n_kwargs = rewrite.apply(args, kwargs)
         except call_check.InputMismatchError:
             continue
-        # The assumptions one by one: the quick check compares a tuple, where NaN != NaN.
-        mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound)
+        # The assumptions one by one: the quick check compares a tuple, where NaN != NaN. Only
+        # a layout may be put right: the first other assumption broken rules the entry out (a
+        # call of a size no entry covers reads a few, not every entry's hundreds).
+        mismatches = entry.spec.mismatches(n_args, n_kwargs, entry.bound, until=_not_layout)
         if remember is not None and not mismatches and entry.accepts(n_args, n_kwargs):
             # Only the syntax differs: later calls of this shape skip this search.
             remember(call_shapes.shape_of(args, kwargs), entry, rewrite)
@@ -62,6 +64,10 @@ def covering(
                 continue
         return call_shapes.Routed(entry, n_args, n_kwargs)
     return None
+
+
+def _not_layout(assumption: Assumption) -> bool:
+    return call_check.layout_path(assumption) is None
 
 
 def changed_since_every_entry(

@@ -295,7 +295,7 @@ class Traces(SavedTraces):
         before = versions(args, kwargs)
         nested = [t for t, _ in nested_tensors(self.plan, args, kwargs)]
         marked = [v for v in values.values() if isinstance(v, torch.Tensor)] + nested
-        with COMPILE_LOCK, _compat.dim_marks_restored(marked):
+        with COMPILE_LOCK.for_trace(), _compat.dim_marks_restored(marked):
             mode = (
                 "backed"
                 if self.config.dynamic_shapes == "backed_size_oblivious"

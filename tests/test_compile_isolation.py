@@ -90,6 +90,56 @@ def test_the_compile_lock_is_dynamos_own():
     dynamo_lock.release()
 
 
+def _trace_waiting() -> bool:
+    with COMPILE_LOCK._no_trace_waits:  # the count a waiting trace adds
+        return COMPILE_LOCK._no_trace_waits.wait_for(lambda: COMPILE_LOCK._traces == 1, timeout=30)
+
+
+def test_a_trace_waiting_for_the_lock_goes_before_the_next_background_compile():
+    # A background compile releases the lock between jobs and asks again at once: Python's locks
+    # are not fair, and a trace (a new shape's way out of eager serving) waited behind a model's
+    # whole background compile (BERT, 20 s on the 2-core CPU).
+    order: list[str] = []
+
+    def trace() -> None:
+        with COMPILE_LOCK.for_trace():
+            order.append("trace")
+
+    thread = threading.Thread(target=trace)
+    with COMPILE_LOCK:  # a background compile's job
+        thread.start()
+        assert _trace_waiting()
+    with COMPILE_LOCK.after_traces():  # its next job
+        order.append("compile")
+    thread.join(30)
+    assert order == ["trace", "compile"]
+
+
+def test_a_thread_holding_the_lock_does_not_wait_for_a_trace():
+    # A compile under Dynamo's own call of a backend (the foreground) holds the lock: waiting
+    # there for a trace that waits for the lock would never end.
+    done = threading.Event()
+
+    def trace() -> None:
+        with COMPILE_LOCK.for_trace():
+            pass
+
+    def foreground() -> None:
+        with COMPILE_LOCK:
+            tracer.start()
+            assert _trace_waiting()
+            with COMPILE_LOCK.after_traces():
+                done.set()
+
+    tracer = threading.Thread(target=trace)
+    thread = threading.Thread(target=foreground)
+    thread.start()
+    assert done.wait(30), "a compile holding the lock waited for a trace that waits for it"
+    thread.join(30)
+    tracer.join(30)
+    assert not tracer.is_alive()
+
+
 def test_a_torch_compiled_function_runs_while_another_thread_fx_traces():
     # Every compile FX-traces (AOTAutograd's make_fx). On torch 2.11-2.13 the "tracing now" flag
     # was process-wide: a torch.compile'd function called meanwhile in another thread raised.

@@ -242,6 +242,20 @@ def test_the_check_compares_a_dicts_entries_after_its_keys():
     assert found and found[0][0].expr == "tuple(kwargs['mask'])"
 
 
+def test_the_assumptions_are_read_until_the_caller_has_its_answer():
+    # A call of a size no trace covers is searched against every entry's assumptions (hundreds
+    # each): only layouts can be put right, so the first other broken one ends the search.
+    spec = call_check.record(
+        (torch.ones(2, 3), torch.ones(4)), {}, lambda path: path, lambda path: frozenset()
+    )
+    bound = spec.bind(None, {})
+    call = ((torch.ones(5, 3), torch.ones(6)), {})
+    every = spec.mismatches(*call, bound)
+    first = spec.mismatches(*call, bound, until=lambda assumption: True)
+    assert len(every) > 1 and first == every[:1]
+    assert spec.mismatches((torch.ones(2, 3), torch.ones(4)), {}, bound, until=lambda a: True) == []
+
+
 # -- object-store warnings ------------------------------------------------------------------------------
 OBSTORE_ERROR = """Generic S3 error: Error performing GET http://127.0.0.1:9/bucket/tessera/v1/warm/831f in \
 1.02s, after 9 retries, max_retries: 64, retry_timeout: 1s  - HTTP error: error sending request

@@ -169,6 +169,17 @@ def dynamo_compile_lock() -> Any:
     return getattr(convert_frame, "compile_lock", _FALLBACK_COMPILE_LOCK)
 
 
+def holds_compile_lock() -> bool:
+    """Whether this thread holds Dynamo's compile lock (``dynamo_compile_lock``), taken by
+    Dynamo itself or through tessera. ``_is_owned`` is the C RLock's (CPython 3.10-3.13); a lock
+    without it is taken as held (the caller then waits for nothing it might hold).
+
+    Checked on torch 2.11-2.15 (the lock is a ``threading.RLock``); no public API.
+    """
+    owned = getattr(dynamo_compile_lock(), "_is_owned", None)
+    return True if owned is None else bool(owned())
+
+
 def register_bytecode_hook(hook: Callable[[types.CodeType, types.CodeType], None]) -> Any:
     """Call ``hook(original, transformed)`` for every frame Dynamo converts; returns a handle.
 
