@@ -28,7 +28,7 @@ that holds it) counts. Printed per model:
 - ``max_abs_diff``: tessera's outputs for fixed inputs, after the stream, against eager's.
 
 ``python -m benchmarks.first_minute [--models toy4,toy16,bert,vit] [--seconds 60]
-[--priorities low,normal]``
+[--priorities low,normal] [--threads 1]``
 """
 
 from __future__ import annotations
@@ -95,10 +95,13 @@ def _first(output: Any) -> Any:
     return output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
 
 
-def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
+def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) -> dict[str, Any]:
     import random
 
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     model, inputs = _build(name)
     sizes = SIZES[name]
@@ -167,7 +170,9 @@ def child(name: str, impl: str, seconds: float, gap: float) -> dict[str, Any]:
     }
 
 
-def _run(name: str, impl: str, seconds: float, gap: float, priority: str = "low") -> dict[str, Any]:
+def _run(
+    name: str, impl: str, seconds: float, gap: float, priority: str = "low", threads: int = 0
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache:
         env = child_env(
             TESSERA_CACHE_DIR=os.path.join(cache, "tessera"),
@@ -175,7 +180,7 @@ def _run(name: str, impl: str, seconds: float, gap: float, priority: str = "low"
             TESSERA_BACKGROUND_PRIORITY=priority,
         )
         command = [sys.executable, "-m", "benchmarks.first_minute", "--child", name, impl]
-        command += ["--seconds", str(seconds), "--gap", str(gap)]
+        command += ["--seconds", str(seconds), "--gap", str(gap), "--threads", str(threads)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
         if done.returncode:
             raise RuntimeError(f"{name} {impl} failed:\n{done.stderr[-4000:]}")
@@ -273,28 +278,37 @@ def main(argv: list[str] | None = None) -> int:
         default=5,
         help="pairs of fresh processes (eager, tessera) timed to the first output only, per model",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads of every process (torch.set_num_threads; 0: torch's default). "
+        "On the 2-core CPU, 1 removes the machine's own noise: eager's calls on two threads "
+        "stall for 10-20 ms five times a second, on one they do not",
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_output_runs < 0 or (args.seconds <= 0 and not args.child):
         parser.error("--seconds must be positive and --first-output-runs at least 0")
     if args.child:
         name, impl = args.child
-        print(json.dumps(child(name, impl, args.seconds, args.gap)))
+        print(json.dumps(child(name, impl, args.seconds, args.gap, args.threads)))
         return 0
     as_installed()
     result: dict[str, Any] = {**header("first_minute"), "seconds": args.seconds, "gap": args.gap}
+    result["threads"] = args.threads or "default"
     for name in args.models.split(","):
-        eager = _run(name, "eager", args.seconds, args.gap)
+        eager = _run(name, "eager", args.seconds, args.gap, threads=args.threads)
         first, *others = args.priorities.split(",")
-        ours = _run(name, "tessera", args.seconds, args.gap, first)
+        ours = _run(name, "tessera", args.seconds, args.gap, first, args.threads)
         result[name] = {"background_priority": first, **_compare(eager, ours)}
         if args.first_output_runs:
             result[name]["first_output_pairs"] = _first_outputs(name, args.first_output_runs)
         for priority in others:
-            other = _run(name, "tessera", args.seconds, args.gap, priority)
+            other = _run(name, "tessera", args.seconds, args.gap, priority, args.threads)
             result[name][f"priority_{priority}"] = _compare(eager, other)
         if args.trace_first:
-            traced = _run(name, "tessera-trace-first", args.seconds, args.gap)
+            traced = _run(name, "tessera-trace-first", args.seconds, args.gap, threads=args.threads)
             result[name]["trace_first"] = _compare(eager, traced)
         print(json.dumps({name: result[name]}), file=sys.stderr, flush=True)
     text = json.dumps(result, indent=1)
