@@ -49,6 +49,7 @@ class _CompileLock:
         served eagerly for 20 s on the 2-core CPU."""
         with self._no_trace_waits:
             self._traces += 1
+            self._no_trace_waits.notify_all()  # a count others may wait on (the tests do)
         try:
             self.__enter__()
         finally:
