@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="intra-op threads of every process (torch.set_num_threads; 0: torch's default). "
         "On the 2-core CPU, 1 removes the machine's own noise: eager's calls on two threads "
-        "stall for 10-20 ms five times a second, on one they do not",
+        "stall for 10-20 ms eight times a second, on one they do not (benchmarks/eager_noise.py)",
     )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
