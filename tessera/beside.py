@@ -28,6 +28,7 @@ import torch
 
 from tessera import _compat, counters
 from tessera.assumption import Mismatch
+from tessera.compile_state import COMPILE_LOCK
 from tessera.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -187,11 +188,15 @@ class Beside:
         )
 
     def _run(self, job: Job | None) -> None:
-        if job is None:
-            job = self._next()
-        while job is not None:
-            self._trace_one(*job)
-            job = self._next()
+        # The compiles the traces start wait until the last call kept meanwhile is traced: each
+        # trace lets calls of its shape leave eager serving; a compile only speeds up a trace that
+        # the next one may widen and hold back (compile_state.py).
+        with COMPILE_LOCK.traces_coming():
+            if job is None:
+                job = self._next()
+            while job is not None:
+                self._trace_one(*job)
+                job = self._next()
         if self.at_exit is not None and _compat.interpreter_exiting():
             # The interpreter is exiting (the main thread ended while this trace was made): the
             # exit joins this thread before thread pools refuse work (start_thread), but not the

@@ -36,8 +36,26 @@ class _CompileLock:
     """
 
     def __init__(self) -> None:
-        self._traces = 0  # traces waiting for the lock (``for_trace``)
+        self._traces = 0  # traces waiting for the lock (``for_trace``) or queued (``traces_coming``)
         self._no_trace_waits = threading.Condition()
+
+    @contextlib.contextmanager
+    def traces_coming(self) -> Iterator[None]:
+        """Background compiles wait (``after_traces``) while this runs: a thread that makes
+        traces one after another (beside.py: the calls kept while one was made) keeps its place
+        between them. Counted only while it waited for the lock, the first trace's background
+        compile took the lock as that trace let it go, before the next trace asked: BERT's calls
+        of a second length were served eagerly for the 13 s of its first Inductor compile (2-core
+        CPU), and that trace's compiles, once the next trace widened it, were thrown away."""
+        with self._no_trace_waits:
+            self._traces += 1
+            self._no_trace_waits.notify_all()
+        try:
+            yield
+        finally:
+            with self._no_trace_waits:
+                self._traces -= 1
+                self._no_trace_waits.notify_all()
 
     @contextlib.contextmanager
     def for_trace(self) -> Iterator[None]:

@@ -15,6 +15,7 @@ import torch
 
 import tessera
 from tessera import _compat
+from tessera.beside import Beside
 from tessera.compile_state import COMPILE_LOCK
 
 
@@ -113,6 +114,45 @@ def test_a_trace_waiting_for_the_lock_goes_before_the_next_background_compile():
         order.append("compile")
     thread.join(30)
     assert order == ["trace", "compile"]
+
+
+def test_a_call_kept_while_a_trace_is_made_is_traced_before_the_first_traces_compiles():
+    # The first trace's background compile asked for the lock while that trace held it, and took
+    # it as the trace let it go, before the trace of the call kept meanwhile (another length)
+    # asked: BERT's calls of that length were served eagerly through the 13 s of the first
+    # compile job (2-core CPU), and the jobs' artifacts were thrown away when the second trace
+    # widened the first.
+    order: list[str] = []
+    keep, compiled = threading.Event(), threading.Event()
+
+    def compile_job() -> None:
+        with COMPILE_LOCK.after_traces():
+            order.append("compile")
+        compiled.set()
+
+    compiler = threading.Thread(target=compile_job)
+
+    def tracer(args: tuple, kwargs: dict, reason: str, mismatches: list) -> None:
+        with COMPILE_LOCK.for_trace():
+            if not order:
+                assert keep.wait(30), "the test kept no call"
+                compiler.start()  # the trace starts its pieces' background compile
+            order.append(f"trace of {args[0].shape[0]}")
+
+    def uncovered(call: tuple) -> tuple[str, list]:
+        # Between the traces, the lock is free: a compile let through now runs first (a bounded
+        # wait, that only the fix makes run out).
+        compiled.wait(1.0)
+        return "another length", []
+
+    beside = Beside("model", lambda x: x * 2, tracer)
+    beside.uncovered = uncovered
+    torch.testing.assert_close(beside.serve((torch.ones(2),), {}, "the first call", []), (torch.ones(2) * 2,))
+    torch.testing.assert_close(beside.missed((torch.ones(3),), {}), torch.ones(3) * 2)
+    keep.set()
+    assert beside.landed.wait(30)
+    compiler.join(30)
+    assert order == ["trace of 2", "trace of 3", "compile"]
 
 
 def test_a_thread_holding_the_lock_does_not_wait_for_a_trace():
