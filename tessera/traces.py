@@ -358,8 +358,13 @@ class Traces(SavedTraces):
         return trace.output
 
     def _save(self, entry: TraceEntry) -> None:
-        """Once every size of ``entry`` is compiled: its whole-model artifact, for the next process."""
-        warm.save_entry(self.context, self.model.traced_fn, entry, plan_to_json(self.plan))
+        """Once every size of ``entry`` is compiled: its whole-model artifact, for the next process;
+        listed as the oldest trace if a later one widened it and serves its calls meanwhile."""
+        # Read without the traces' lock: this runs under the compile lock, which a trace takes
+        # inside it (the other order deadlocks); the entries are a tuple, replaced whole.
+        serving = any(e.split_model is entry.split_model for e in self.entries)
+        superseded = not serving and any(h.split_model is entry.split_model for h in list(self.held))
+        warm.save_entry(self.context, self.model.traced_fn, entry, plan_to_json(self.plan), superseded)
 
     def _next_number(self) -> int:
         self._numbered += 1

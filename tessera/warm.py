@@ -129,18 +129,23 @@ def save(
     reason: str,
     remote: RemoteTier | None,
     plan: dict[str, list[Any]],
+    superseded: bool = False,
 ) -> None:
     """After a trace, once every size is compiled: its artifact, the fingerprint's pointer and
-    the trace plan beside it, and with a remote tier all of them for the fleet."""
-    saved = save_artifact(split_model, fingerprint, traced_fn, code, spec, reason)
+    the trace plan beside it, and with a remote tier all of them for the fleet. ``superseded``: a
+    later trace widened it (pointer.write_pointer)."""
+    saved = save_artifact(split_model, fingerprint, traced_fn, code, spec, reason, superseded)
     save_plan(root, fingerprint, plan)  # after the pointer it goes in (an earlier trace's, if not saved)
     if saved and remote is not None and split_model.entry is not None:
         publish(remote, root, fingerprint, split_model.entry)
 
 
-def save_entry(context: Any, traced_fn: types.FunctionType, entry: Any, plan: dict[str, Any]) -> None:
+def save_entry(
+    context: Any, traced_fn: types.FunctionType, entry: Any, plan: dict[str, Any], superseded: bool = False
+) -> None:
     """Once every size of a trace (``trace_entry.TraceEntry``) made here is compiled: its
-    whole-model artifact and pointer, for the next process (``save``)."""
+    whole-model artifact and pointer, for the next process (``save``; ``superseded``: a later
+    trace widened it)."""
     if context.root is None or context.fingerprint is None or entry.code is None:
         return
     save(
@@ -153,6 +158,7 @@ def save_entry(context: Any, traced_fn: types.FunctionType, entry: Any, plan: di
         entry.reason,
         context.remote,
         plan,
+        superseded,
     )
 
 
@@ -351,9 +357,11 @@ def save_artifact(
     code: types.CodeType,
     spec: CallSpec,
     reason: str = "the first call",
+    superseded: bool = False,
 ) -> bool:
     """After a trace: write the whole-model artifact and add it to the fingerprint's pointer
-    (``reason``: why the trace was made). Whether both were written."""
+    (``reason``: why the trace was made; ``superseded``: a later trace widened it). Whether both
+    were written."""
     entry, split_gm = split_model.entry, split_model.split_gm
     if entry is None or split_gm is None or split_model.cache_root is None:
         return False
@@ -408,7 +416,7 @@ def save_artifact(
         return False
     try:
         key = saved.variants[-1].key
-        pointer.write_pointer(split_model.cache_root, fingerprint, entry.path, reason, key)
+        pointer.write_pointer(split_model.cache_root, fingerprint, entry.path, reason, key, superseded)
     except OSError as e:  # the model runs; the next process traces again
         split_model.artifact_fate = _not_written(str(e.strerror))
         warn_write_failed(entry.path, e)

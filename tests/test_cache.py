@@ -392,3 +392,19 @@ def test_verify_says_nothing_of_an_entry_removed_while_it_ran(tmp_path, monkeypa
     listed = tools.find_entries(root)
     monkeypatch.setattr(tools, "find_entries", lambda _: [*listed, gone])
     assert verify(root) == []
+
+
+def test_a_superseded_trace_is_listed_as_the_oldest_whenever_its_save_comes(tmp_path):
+    """A process adopts the newest saved trace that covers a call. A trace that a later one widened
+    was saved after it when its compiles ended last, and the next process served the widened
+    trace's calls from the narrow one, without the shapes learnt on the wide one."""
+    from tessera.cache import pointer
+
+    root = tmp_path / "cache"
+    entry = lambda name: root / name / "rank_0_0" / "model"  # noqa: E731
+    pointer.write_pointer(root, "f" * 64, entry("first"), "the first call", "a")
+    pointer.write_pointer(root, "f" * 64, entry("wide"), "dim 1 changed", "b")
+    pointer.write_pointer(root, "f" * 64, entry("narrow"), "the first call", "c", superseded=True)
+    listed = pointer.read_entries(root, "f" * 64)
+    assert not isinstance(listed, (pointer.Refused, pointer.OtherPath))
+    assert [t.entry.parts[-3] for t in listed] == ["narrow", "first", "wide"]  # oldest first

@@ -49,11 +49,18 @@ MAX_POINTER_ENTRIES = 16
 
 
 def write_pointer(
-    root: Path, fingerprint: str, entry_path: Path, reason: str = "the first call", model_sha: str = ""
+    root: Path,
+    fingerprint: str,
+    entry_path: Path,
+    reason: str = "the first call",
+    model_sha: str = "",
+    superseded: bool = False,
 ) -> None:
     """Add ``entry_path`` (one trace of the model, made because of ``reason``; its whole-model
-    artifact's sha256) to the traces this fingerprint leads to. Many processes may add at once:
-    read, merge and replace under a lock."""
+    artifact's sha256) to the traces this fingerprint leads to, as the newest, or the oldest when
+    ``superseded`` (a later trace widened it: a process adopts the newest that covers a call, and a
+    superseded trace whose compiles ended last took the calls of the trace that widened it). Many
+    processes may add at once: read, merge and replace under a lock."""
     from filelock import FileLock
 
     path = pointer_path(root, fingerprint)
@@ -63,7 +70,8 @@ def write_pointer(
         found = _read_entries(path)
         entries = [] if isinstance(found, (Refused, OtherPath)) else found
         entries = [e for e in entries if (e["entry"], e["model"]) != (relative, model_sha)]
-        entries.append({"entry": relative, "reason": reason, "model": model_sha})
+        line = {"entry": relative, "reason": reason, "model": model_sha}
+        entries = [line, *entries] if superseded else [*entries, line]
         old = _read_body(path)
         body: dict[str, Any] = {"entries": entries[-MAX_POINTER_ENTRIES:]}
         learnt = _learnt_of(old)
