@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import torch
@@ -37,6 +37,7 @@ class _CompileLock:
 
     def __init__(self) -> None:
         self._traces = 0  # traces waiting for the lock (``for_trace``) or queued (``traces_coming``)
+        self._ahead = 0  # background compiles of the traces that serve, with jobs left (``ahead``)
         self._no_trace_waits = threading.Condition()
 
     @contextlib.contextmanager
@@ -79,14 +80,30 @@ class _CompileLock:
         finally:
             self.__exit__(None, None, None)
 
-    def after_traces(self) -> _CompileLock:
+    def after_traces(self, behind: Callable[[], bool] | None = None) -> _CompileLock:
         """The lock for a background compile's job (``with COMPILE_LOCK.after_traces():``),
-        taken after every trace waiting for it. A thread that holds it already (a compile in the
-        foreground, under Dynamo's own call of a backend) does not wait: a trace waits for it."""
+        taken after every trace waiting for it, and, while ``behind()`` is true (the job's trace
+        was held back, see ``Background.hold_back``), after the background compiles of the traces
+        that serve. A thread that holds it already (a compile in the foreground, under Dynamo's
+        own call of a backend) does not wait: a trace waits for it."""
         if not _compat.holds_compile_lock():
             with self._no_trace_waits:
-                self._no_trace_waits.wait_for(lambda: not self._traces)
+                self._no_trace_waits.wait_for(
+                    lambda: not self._traces and not (self._ahead and behind is not None and behind())
+                )
         return self
+
+    def ahead(self, change: int) -> None:
+        """A background compile of a trace that serves starts (+1) or ends, or its trace was held
+        back (-1): compiles of held-back traces wait while any is counted."""
+        with self._no_trace_waits:
+            self._ahead += change
+            self._no_trace_waits.notify_all()
+
+    def changed(self) -> None:
+        """Wakes the compiles waiting in ``after_traces``: what their ``behind`` reads changed."""
+        with self._no_trace_waits:
+            self._no_trace_waits.notify_all()
 
     def __enter__(self) -> None:
         lock = _compat.dynamo_compile_lock()

@@ -144,6 +144,7 @@ class SavedTraces:
             if len(self.entries) >= self.config.max_traces:
                 return None  # the caller refuses it, naming the limit
             self.held.remove(held)
+            held.split_model.background.bring_forward()  # held back here earlier: it serves again
             entry = dataclasses.replace(held, number=self._next_number())
             self.entries = (*self.entries, entry)
             return entry

@@ -11,7 +11,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from tessera.background import start_thread
@@ -77,6 +77,10 @@ class Background:
         self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
         self._lock = threading.Lock()
         self._worker_failure_said = False  # a compile worker's failure is warned once per model
+        # Held back (traces.py: a later trace widened this one and serves its calls): the jobs
+        # left wait for those of the traces that serve, which ``_ahead`` counts this one among.
+        self.behind = False
+        self._ahead = False
 
     @property
     def status(self) -> str:
@@ -95,6 +99,20 @@ class Background:
                 self._after_ready.append(fn)
                 return
         fn()
+
+    def hold_back(self) -> None:
+        """This trace no longer serves: its jobs left go after those of the traces that do (its
+        artifacts serve only a call that takes it back, or a later process that adopts it)."""
+        with self._lock:
+            self.behind = True
+            if self._ahead:
+                self._ahead = False
+                COMPILE_LOCK.ahead(-1)
+
+    def bring_forward(self) -> None:
+        """This trace serves again (a call only it covers took it back): its jobs wait no more."""
+        self.behind = False
+        COMPILE_LOCK.changed()
 
     def start(self, then: Callable[[], None] | None = None) -> None:
         """Compile the jobs in a thread of its own (``start_thread``), then run ``then`` (the
@@ -142,7 +160,8 @@ class Background:
             item, size = job.work.item, job.size
             if progress is not None:
                 progress.start(item.name, size_label(size))
-            with COMPILE_LOCK.after_traces():  # a trace waiting goes first (compile_state.py)
+            # A trace waiting goes first; a held-back trace's job, after the serving ones'.
+            with COMPILE_LOCK.after_traces(behind=lambda: self.behind):
                 key = owner.artifact_cache.content_key(job.work.content, size)
                 outcome = owner.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
             install(job, outcome)
@@ -157,16 +176,17 @@ class Background:
         start = time.perf_counter()
         try:
             # This thread started with grad enabled and no autocast: compile as the trace was made.
-            with owner.state.applied(), self._turn():
-                self.compile_all()
-                with COMPILE_LOCK:  # the background's artifacts in the index, in one write, in the turn
-                    owner.artifact_cache.flush()
-            with COMPILE_LOCK:
-                # Every size is in place: said before `then` writes the report that tells it.
-                owner.phases["background_compile"] = time.perf_counter() - start
-                self.state = BackgroundState.DONE
-                if then is not None:
-                    then()
+            with self._ahead_of_held():
+                with owner.state.applied(), self._turn():
+                    self.compile_all()
+                    with COMPILE_LOCK:  # the background's artifacts in the index, in one write, in the turn
+                        owner.artifact_cache.flush()
+                with COMPILE_LOCK:
+                    # Every size is in place: said before `then` writes the report that tells it.
+                    owner.phases["background_compile"] = time.perf_counter() - start
+                    self.state = BackgroundState.DONE
+                    if then is not None:
+                        then()
         except FleetWaitAbandoned:  # exiting while another replica compiles: nothing to do here
             self.state = BackgroundState.DONE
         except Exception as e:  # what serves keeps serving: said once, and in the report
@@ -185,6 +205,23 @@ class Background:
             with self._lock:
                 self.ready.set()
             self._run_after_ready()
+
+    @contextlib.contextmanager
+    def _ahead_of_held(self) -> Iterator[None]:
+        """Counted among the background compiles that held-back traces' jobs wait for
+        (``COMPILE_LOCK.ahead``) until this one is done (its index written: a held trace's jobs
+        took the lock between the last job and that write), unless held back meanwhile."""
+        with self._lock:
+            self._ahead = not self.behind
+            if self._ahead:
+                COMPILE_LOCK.ahead(+1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._ahead:
+                    self._ahead = False
+                    COMPILE_LOCK.ahead(-1)
 
     def _turn(self) -> contextlib.AbstractContextManager[None]:
         """With a remote tier, the fleet's compile turn over every job: one replica compiles

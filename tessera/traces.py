@@ -225,6 +225,7 @@ class Traces(SavedTraces):
             return
         new, self.entries = self.entries[-1], tuple(e for e in self.entries if e is not old)
         self.held.append(old)
+        old.split_model.background.hold_back()  # its compiles go after the new trace's
         self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
 
     def uncovered(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[str, list[Mismatch]] | None:

@@ -155,6 +155,43 @@ def test_a_call_kept_while_a_trace_is_made_is_traced_before_the_first_traces_com
     assert order == ["trace of 2", "trace of 3", "compile"]
 
 
+def test_a_held_back_traces_compile_waits_for_those_of_the_traces_that_serve():
+    # A trace that a later one widened and holds back serves no call: its jobs left went on
+    # beside the new trace's, and the pieces that serve were compiled seconds later (BERT).
+    order: list[str] = []
+    behind = [True]
+
+    def held_job() -> None:
+        with COMPILE_LOCK.after_traces(behind=lambda: behind[0]):
+            order.append("held")
+
+    thread = threading.Thread(target=held_job)
+    COMPILE_LOCK.ahead(+1)  # a serving trace's background compile, with jobs left
+    try:
+        thread.start()
+        thread.join(0.5)  # a bounded wait: only the ordering makes it run out
+        assert thread.is_alive(), "the held-back trace's job went before the serving trace's"
+        with COMPILE_LOCK.after_traces(behind=lambda: False):
+            order.append("serving")
+    finally:
+        COMPILE_LOCK.ahead(-1)
+    thread.join(30)
+    assert order == ["serving", "held"]
+
+    # Taken back (a call only it covers), it waits no more.
+    order.clear()
+    thread = threading.Thread(target=held_job)
+    COMPILE_LOCK.ahead(+1)
+    try:
+        thread.start()
+        behind[0] = False
+        COMPILE_LOCK.changed()
+        thread.join(30)
+        assert order == ["held"]
+    finally:
+        COMPILE_LOCK.ahead(-1)
+
+
 def test_a_thread_holding_the_lock_does_not_wait_for_a_trace():
     # A compile under Dynamo's own call of a backend (the foreground) holds the lock: waiting
     # there for a trace that waits for the lock would never end.
