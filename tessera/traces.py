@@ -225,7 +225,8 @@ class Traces(SavedTraces):
             return
         new, self.entries = self.entries[-1], tuple(e for e in self.entries if e is not old)
         self.held.append(old)
-        old.split_model.background.hold_back()  # its compiles go after the new trace's
+        if all(e.split_model is not old.split_model for e in self.entries):  # pieces no trace shares
+            old.split_model.background.hold_back()  # its compiles go after those of the traces that serve
         self._say(f"{self.model.name}: trace {old.number} held back, trace {new.number} serves its calls")
 
     def uncovered(self, call: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[str, list[Mismatch]] | None:
