@@ -24,7 +24,7 @@ that holds it) counts. Printed per model:
   eager's own stream: the machine's noise, the floor the bar is read against;
 - ``steady_ratio``: tessera's median call after every compile is in place over eager's median;
 - ``seconds_to_traced`` / ``seconds_to_ready``: when the first trace served, when every size had
-  compiled;
+  compiled; ``traces_landed_s``: when each trace that serves landed, from process start;
 - ``max_abs_diff``: tessera's outputs for fixed inputs, after the stream, against eager's.
 
 ``python -m benchmarks.first_minute [--models toy4,toy16,bert,vit] [--seconds 60]
@@ -160,7 +160,12 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
             _first(model(*args))
             steady.append(time.perf_counter() - start)
         outputs = [_first(model(*inputs(size))).float().clone() for size in sizes]
+    # When each trace that serves landed, in seconds from process start (a trace held back is
+    # not listed): the report's timeline.
+    timeline = getattr(getattr(model, "report", None), "timeline", ())
+    landed = {s.name: round(s.end, 2) for s in timeline if s.name.startswith("trace ")}
     return {
+        "traces_landed_s": landed,
         "first_output": first_output,
         "calls": calls,
         "steady_median": statistics.median(steady),
@@ -252,6 +257,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "calls_by_stage_at_start": by_stage,
         "seconds_to_traced": ours["seconds_to_traced"],
         "seconds_to_ready": ours["seconds_to_ready"],
+        "traces_landed_s": ours["traces_landed_s"],
         "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),
         "max_abs_diff": max(diffs),
     }

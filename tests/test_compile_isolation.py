@@ -192,6 +192,26 @@ def test_a_held_back_traces_compile_waits_for_those_of_the_traces_that_serve():
         COMPILE_LOCK.ahead(-1)
 
 
+def test_a_background_compile_held_back_while_it_runs_stops_counting_as_ahead():
+    # The first trace's background compile counts itself ahead when it starts; held back mid-run
+    # (the next trace widened it), its own jobs would wait for that count, that is for itself.
+    from types import SimpleNamespace
+
+    from tessera.schedule import Background
+
+    background = Background(SimpleNamespace(prefix="model"), before_ready=lambda: None)
+    with background._ahead_of_held():
+        assert COMPILE_LOCK._ahead == 1
+        background.hold_back()
+        assert COMPILE_LOCK._ahead == 0, "a held-back compile still counts as ahead of itself"
+        waited: list[bool] = []
+        job = threading.Thread(target=lambda: waited.append(bool(COMPILE_LOCK.after_traces(lambda: True))))
+        job.start()
+        job.join(30)
+        assert waited == [True], "the held-back compile's job waited for itself"
+    assert COMPILE_LOCK._ahead == 0
+
+
 def test_a_thread_holding_the_lock_does_not_wait_for_a_trace():
     # A compile under Dynamo's own call of a backend (the foreground) holds the lock: waiting
     # there for a trace that waits for the lock would never end.
