@@ -163,7 +163,7 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
     # When each trace that serves landed, in seconds from process start (a trace held back is
     # not listed): the report's timeline.
     timeline = getattr(getattr(model, "report", None), "timeline", ())
-    landed = {s.name: round(s.end, 2) for s in timeline if s.name.startswith("trace ")}
+    landed = {s.what: round(s.end, 2) for s in timeline if s.what.startswith("trace ")}
     return {
         "traces_landed_s": landed,
         "first_output": first_output,
