@@ -1,10 +1,15 @@
 """Eager's own noise on this machine: one model's eager calls, one every ``--gap`` seconds, per
-intra-op thread count and with garbage collection on and off; JSON out.
+intra-op thread count and with garbage collection on and off; JSON out. ``--impls`` adds the same
+stream of compiled calls once every compile is done (stock ``torch.compile``, tessera on its
+defaults after ``wait_ready``): the noise of Inductor's code on this machine, the steady state
+after the first minute.
 
 The first-minute bar (benchmarks/first_minute.py) reads tessera's calls against eager's median;
-this says how often eager alone misses it. Each configuration runs in a fresh process.
+this says how often eager alone misses it, and how often compiled code does. Each configuration
+runs in a fresh process (tessera's with an empty cache of its own).
 
-``python -m benchmarks.eager_noise [--model bert] [--seconds 6] [--threads 0,1]``
+``python -m benchmarks.eager_noise [--model bert] [--seconds 6] [--threads 0,1]
+[--impls eager,stock,tessera] [--gc on,off]``
 """
 
 from __future__ import annotations
@@ -15,13 +20,16 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from benchmarks import child_env, header
 
 
-def child(name: str, threads: int, collect: bool, seconds: float, gap: float) -> dict[str, Any]:
+def child(
+    name: str, threads: int, collect: bool, seconds: float, gap: float, impl: str = "eager"
+) -> dict[str, Any]:
     import torch
 
     from benchmarks.first_minute import SIZES, _build
@@ -32,8 +40,17 @@ def child(name: str, threads: int, collect: bool, seconds: float, gap: float) ->
         gc.disable()
     model, inputs = _build(name)
     args = inputs(SIZES[name][1])
+    if impl == "stock":
+        model = torch.compile(model)
+    elif impl == "tessera":
+        import tessera
+
+        model = tessera.compile(model)
     calls: list[tuple[float, float]] = []
     with torch.inference_mode():
+        model(*args)
+        if impl == "tessera":
+            model.wait_ready()  # every compile done: the steady state
         for _ in range(20):  # warm-up
             model(*args)
         start = time.perf_counter()
@@ -45,6 +62,7 @@ def child(name: str, threads: int, collect: bool, seconds: float, gap: float) ->
     median = statistics.median(took for _, took in calls)
     slow = [at for at, took in calls if took > 2 * median]
     return {
+        "impl": impl,
         "threads": torch.get_num_threads(),
         "gc": collect,
         "calls": len(calls),
@@ -52,6 +70,7 @@ def child(name: str, threads: int, collect: bool, seconds: float, gap: float) ->
         "calls_over_2x": len(slow),
         "worst_ratio": round(max(took for _, took in calls) / median, 2),
         "over_2x_per_second": round(len(slow) / seconds, 2),
+        "took": [took for _, took in calls],  # read by main, not printed
     }
 
 
@@ -61,20 +80,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--gap", type=float, default=0.02)
     parser.add_argument("--threads", default="0,1", help="intra-op thread counts (0: torch's default)")
-    parser.add_argument("--child", nargs=2, metavar=("THREADS", "GC"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--impls", default="eager", help="eager, stock (torch.compile), tessera; comma-separated"
+    )
+    parser.add_argument("--gc", default="on,off", help="garbage collection on, off, or both")
+    parser.add_argument("--child", nargs=3, metavar=("THREADS", "GC", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        threads, collect = int(args.child[0]), args.child[1] == "on"
-        print(json.dumps(child(args.model, threads, collect, args.seconds, args.gap)))
+        threads, collect, impl = int(args.child[0]), args.child[1] == "on", args.child[2]
+        print(json.dumps(child(args.model, threads, collect, args.seconds, args.gap, impl)))
         return 0
     runs = []
-    for threads in (int(t) for t in args.threads.split(",")):
-        for collect in ("on", "off"):
-            command = [sys.executable, "-m", "benchmarks.eager_noise", "--model", args.model]
-            command += ["--seconds", str(args.seconds), "--gap", str(args.gap)]
-            command += ["--child", str(threads), collect]
-            done = subprocess.run(command, env=child_env(), capture_output=True, text=True, check=True)
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for impl in args.impls.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            for collect in args.gc.split(","):
+                command = [sys.executable, "-m", "benchmarks.eager_noise", "--model", args.model]
+                command += ["--seconds", str(args.seconds), "--gap", str(args.gap)]
+                command += ["--child", str(threads), collect, impl]
+                with tempfile.TemporaryDirectory() as cache:
+                    env = child_env(
+                        TESSERA_CACHE_DIR=f"{cache}/tessera", TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor"
+                    )
+                    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    # The first minute's bar is eager's median, not a run's own: each run's calls against the median
+    # of eager's run with the same threads and collection, where there is one.
+    eager = {(r["threads"], r["gc"]): r["median_ms"] / 1e3 for r in runs if r["impl"] == "eager"}
+    for run in runs:
+        took = run.pop("took")
+        median = eager.get((run["threads"], run["gc"]))
+        if median is not None:
+            run["calls_over_2x_eager_median"] = sum(t > 2 * median for t in took)
     print(json.dumps({**header("eager_noise"), "model": args.model, "runs": runs}, indent=1))
     return 0
 
