@@ -137,7 +137,7 @@ def save(
     saved = save_artifact(split_model, fingerprint, traced_fn, code, spec, reason, superseded)
     save_plan(root, fingerprint, plan)  # after the pointer it goes in (an earlier trace's, if not saved)
     if saved and remote is not None and split_model.entry is not None:
-        publish(remote, root, fingerprint, split_model.entry)
+        publish(remote, root, fingerprint, split_model.entry, superseded=superseded)
 
 
 def save_entry(

@@ -169,6 +169,32 @@ def test_blobs_are_named_by_their_content_and_never_rewritten(tmp_path, s3_serve
     assert tessera.counters.snapshot()["remote_bytes_written"] == 0
 
 
+def test_a_superseded_traces_entry_is_published_but_not_its_pointer(tmp_path, s3_server):
+    """The store's pointer names one entry, the last published: a trace that a later one widened
+    publishes its entry (replicas may wait on its compile) and leaves the pointer to the trace
+    that serves, whichever finishes its compiles last."""
+    from types import SimpleNamespace
+
+    from tessera.cache import fleet
+
+    first = _compile_and_check(tmp_path / "first", s3_server.url)
+    assert first.wait_ready(60)
+    (pointer_name,) = s3_server.keys("tessera/v1/warm/")
+    (manifest,) = s3_server.keys("tessera/v1/entry/")
+    *_, key, prefix = manifest.split("/")
+    (path,) = [p.parent for p in (tmp_path / "first").rglob(INDEX) if p.parent.name == prefix]
+    entry = SimpleNamespace(key=key, path=path)
+    fingerprint = pointer_name.rsplit("/", 1)[1]
+    for name in (pointer_name, manifest):
+        s3_server.delete(name)
+    tier = RemoteTier(s3_server.url, ObjectStore(s3_server.url, 5.0))
+    fleet.publish(tier, tmp_path / "first", fingerprint, entry, superseded=True)
+    assert s3_server.keys("tessera/v1/entry/") == [manifest]
+    assert s3_server.keys("tessera/v1/warm/") == []
+    fleet.publish(tier, tmp_path / "first", fingerprint, entry)
+    assert s3_server.keys("tessera/v1/warm/") == [pointer_name]
+
+
 def _blob_of(s3_server, which: str) -> str:
     """The store's name of a blob the first replica published: a piece's, or the whole model's."""
     (pointer,) = s3_server.keys("tessera/v1/warm/")

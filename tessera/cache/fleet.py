@@ -58,15 +58,28 @@ def fetch_pointer(remote: RemoteTier, root: Path, fingerprint: str) -> bool:
     return pointer.pointer_path(root, fingerprint).exists()
 
 
-def publish(remote: RemoteTier, root: Path, fingerprint: str, entry: Any, grown: bool = False) -> None:
+def publish(
+    remote: RemoteTier,
+    root: Path,
+    fingerprint: str,
+    entry: Any,
+    grown: bool = False,
+    superseded: bool = False,
+) -> None:
     """After a trace: publish the pointer from ``fingerprint`` to the entry, with the whole-model
     artifact and the sizes learnt for it; and the entry itself, unless it is in the store already
     (its lease holder published it before letting go, or this process fetched it): one manifest
-    per compile, not two. ``grown``: the entry holds new pieces (a size learnt): published again."""
+    per compile, not two. ``grown``: the entry holds new pieces (a size learnt): published again.
+    ``superseded``: a later trace widened this one: the entry is published (replicas may wait on
+    its compile), the pointer is not. The store's pointer names one entry, the last published, and
+    a superseded trace whose compiles end last would otherwise send every new replica to the
+    narrow trace (the local pointer lists it first for the same reason, pointer.write_pointer)."""
     from tessera.cache import pointer
 
     key, prefix = entry.key, entry.path.name
     if (grown or not remote.holds(key, prefix)) and not remote.publish(entry.path, key, prefix):
+        return
+    if superseded:
         return
     relative = entry.path.relative_to(root).as_posix()
     learnt = pointer.read_learnt(root, fingerprint).get(entry.path, ())
