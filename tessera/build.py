@@ -174,7 +174,7 @@ def _build_pieces(
         for s in (_sizes(split_model, fake)[:1] if later else _sizes(split_model, fake))
     }
     # Started now, so that the workers import Inductor while the general artifacts compile.
-    split_model.pool = _compile_pool(split_model, any(_worker_fit(fake) for _, fake, _ in calls))
+    split_model.pool = _compile_pool(split_model, [fake for _, fake, _ in calls])
     # Up front with workers: every general artifact here first, then the rest at once, the
     # static sizes in the workers (as in the background, but before the first output).
     rest_now = not later and split_model.pool is not None
@@ -319,14 +319,15 @@ def _background(split_model: SplitModel) -> bool:
     return split_model.config.background_compile and split_model.pieces.graph_pool is None
 
 
-def _compile_pool(split_model: SplitModel, sized: bool) -> CompilePool | None:
-    """The compile workers, when some of this model can go to them: CPU pieces with a size
-    (``sized``) and static compile sizes for them, a compiler that compiles in workers, a
-    cache entry for their files, no CUDA graphs (a capture needs every size at install), and
-    workers asked for."""
+def _compile_pool(split_model: SplitModel, pieces_args: list[Sequence[Any]]) -> CompilePool | None:
+    """The compile workers, when some of this model can go to them: CPU pieces with a size and
+    static compile sizes for them, or CPU pieces whose general artifacts compile in the background
+    while they serve as traced; a compiler that compiles in workers, a cache entry for their files,
+    no CUDA graphs (a capture needs every size at install), and workers asked for."""
+    on_cpu = [fake for fake in pieces_args if _on_cpu(fake)]
+    sized = compile_sizes(split_model) and any(find_size_source(fake) is not None for fake in on_cpu)
     if (
-        not sized
-        or not compile_sizes(split_model)  # shapes compile in this process (workers take sizes)
+        not (sized or (on_cpu and serves_traced(split_model)))
         or split_model.pieces.graph_pool is not None
         or not isinstance(split_model.compiler, CompilesInWorkers)
         or split_model.artifact_cache.entry is None
@@ -389,9 +390,7 @@ def _warn_sizes_need_shapes(split_model: SplitModel, symbols: Sequence[Any]) -> 
     )
 
 
-def _worker_fit(fake_args: Sequence[Any]) -> bool:
-    """Whether a piece's static sizes can go to a compile worker: it has a size, and its inputs
-    are on the CPU (see InductorCompiler.job)."""
-    return find_size_source(fake_args) is not None and all(
-        not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in fake_args
-    )
+def _on_cpu(fake_args: Sequence[Any]) -> bool:
+    """Whether a piece's compiles can go to a compile worker: its inputs are on the CPU (see
+    InductorCompiler.job)."""
+    return all(not isinstance(a, torch.Tensor) or a.device.type == "cpu" for a in fake_args)

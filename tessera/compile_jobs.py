@@ -1,8 +1,9 @@
 """What a compile worker and its parent exchange: the job, its result, and the pipe they cross.
 
-A job is one piece at one static size (``PieceJob``); its example inputs cross as plain shapes
-(``TensorSpec``), since a general or range compile needs the trace's symbolic shapes, which do not
-cross a process boundary. Each message is a length-prefixed pickle (``read_message`` /
+A job is one piece at one static size or at the general one (``PieceJob``). A static size's
+example inputs cross as plain shapes (``TensorSpec``); the general one's as the trace's symbolic
+shapes, described (symbolic_inputs.py) and made again in the worker. Ranges and shapes compile in
+the parent. Each message is a length-prefixed pickle (``read_message`` /
 ``write_message``). The worker itself is ``compile_worker.py``; the pool that feeds it,
 ``compile_pool.py``.
 """
@@ -41,12 +42,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PieceJob:
-    """One piece to compile at one static size, and where its piece file goes."""
+    """One piece to compile at one static size (or the general one: None), and where its piece
+    file goes."""
 
     graph: torch.fx.GraphModule
-    inputs: tuple[Any, ...]  # TensorSpec for each tensor, the value itself otherwise
+    # A static size's: TensorSpec for each tensor, the value itself otherwise. The general size's:
+    # a symbolic_inputs.SymbolicInputs.
+    inputs: Any
     config: Any  # CompileConfig (typed loosely: this module is imported without tessera.config)
-    size: int
+    size: int | None
     key: str  # the piece file's name in the entry (the artifact cache's scratch name)
     cache_dir: str
     machine_record: str | None
@@ -89,8 +93,14 @@ def write_message(stream: IO[bytes], payload: bytes) -> None:
     stream.flush()
 
 
-def example_inputs(specs: tuple[Any, ...]) -> list[Any]:
-    """Tensors of each spec's layout (zeros: a static compile reads shapes, never values)."""
+def example_inputs(graph: torch.fx.GraphModule, specs: Any) -> list[Any]:
+    """A job's example inputs: for a static size, tensors of each spec's layout (zeros: a static
+    compile reads shapes, never values); for the general size, fake tensors with the trace's
+    symbolic sizes, which ``graph``'s nodes then carry too (symbolic_inputs.rebuild)."""
+    from tessera.symbolic_inputs import SymbolicInputs, rebuild
+
+    if isinstance(specs, SymbolicInputs):
+        return rebuild(specs, graph)
     return [
         torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device).zero_()
         if isinstance(spec, TensorSpec)

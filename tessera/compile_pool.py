@@ -6,7 +6,9 @@ configuration is global, so two compiles in one process neither overlap nor stay
 on the first model that needs it, while that model is still tracing, and serves every later model
 of the process; it runs Inductor's own kernel compiles with its share of the cores.
 
-Only static sizes go to a worker (see compile_worker.py). A job a worker cannot take (its graph
+Static sizes and general ones go to a worker (see compile_jobs.py): a general compile there keeps
+this process's GIL free for the calls it serves meanwhile (Inductor's lowering and code generation
+hold it in long C calls that no pacing interrupts). A job a worker cannot take (its graph
 does not pickle, the worker died or raised) is answered ``JobFailed`` and compiled by the caller
 in its own process: a worker can make a compile faster, never make one fail.
 """
@@ -265,10 +267,10 @@ class WorkerFanOut:
         self.waiting = 0  # jobs sent whose reply is not in yet
 
     def send(self, job: Job) -> bool:
-        """Hand ``job`` to the workers; False when the caller must compile it (not a static size,
+        """Hand ``job`` to the workers; False when the caller must compile it (a range or a shape,
         or the workers cannot take it)."""
         size, item = job.size, job.work.item
-        if not isinstance(size, int):
+        if size is not None and not isinstance(size, int):
             return False
         key = self.artifact_cache.content_key(job.work.content, size)
         if key in self.leaders:
@@ -337,7 +339,7 @@ class WorkerFanOut:
             except CompilerError as e:
                 done = JobFailed(str(e))
             else:
-                assert isinstance(job.size, int), "only static sizes are sent"
+                assert job.size is None or isinstance(job.size, int), "only sizes and general are sent"
                 return self.artifact_cache.record_compiled(
                     fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
                 )

@@ -1,4 +1,4 @@
-"""A compile worker: a process of its own that compiles one piece at one static size per job.
+"""A compile worker: a process of its own that compiles one piece at one size per job.
 
 Started by ``compile_pool.CompilePool`` as ``python -c "...compile_worker import main; main()"``.
 Jobs arrive on stdin and results leave on the original stdout, as ``compile_jobs.py`` frames them;
@@ -6,7 +6,7 @@ everything the compile itself prints goes to stderr. The worker writes the piece
 entry exactly as an in-process compile would (``InductorCompiler.compile``), and the parent loads it
 from there: the cache holds the same bytes whichever process compiled.
 
-Only static sizes are sent here (see compile_jobs.py).
+Static sizes and general ones are sent here (see compile_jobs.py).
 """
 
 from __future__ import annotations
@@ -15,17 +15,10 @@ import os
 import pickle
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from tessera.compile_jobs import (
-    CACHE_ENV,
-    READY,
-    JobDone,
-    JobFailed,
-    PieceJob,
-    example_inputs,
-    read_message,
-    write_message,
-)
+if TYPE_CHECKING:
+    from tessera.compile_jobs import JobDone, JobFailed, PieceJob
 
 
 def run(job: PieceJob) -> JobDone:
@@ -35,6 +28,7 @@ def run(job: PieceJob) -> JobDone:
 
     from tessera import counters
     from tessera.cache import liveness
+    from tessera.compile_jobs import CACHE_ENV, JobDone, example_inputs
     from tessera.inductor_compiler import InductorCompiler
 
     for name in CACHE_ENV:
@@ -48,7 +42,8 @@ def run(job: PieceJob) -> JobDone:
     compiler.initialize_cache(Path(job.cache_dir))
     compiler.machine_record = Path(job.machine_record) if job.machine_record else None
     with job.state.applied() if job.state is not None else contextlib.nullcontext():
-        _, handle = compiler.compile(job.graph, example_inputs(job.inputs), job.config, job.size, job.key)
+        inputs = example_inputs(job.graph, job.inputs)
+        _, handle = compiler.compile(job.graph, inputs, job.config, job.size, job.key)
     after = counters.snapshot()
     counts = {name: after[name] - before[name] for name in after if after[name] != before[name]}
     return JobDone(handle, time.perf_counter() - start, counts, os.getpid())
@@ -56,15 +51,18 @@ def run(job: PieceJob) -> JobDone:
 
 def main() -> None:
     """Serve jobs until stdin closes."""
+    from tessera.priority import lower_process
+
+    # First, before torch's import (seconds of CPU): the pool sets it (compile_pool._worker_env),
+    # and a worker competes with the parent's served calls from its start.
+    lower_process(os.environ.get("TESSERA_BACKGROUND_PRIORITY", "low"))
+    from tessera import _compat
+    from tessera.compile_jobs import READY, JobFailed, read_message, write_message
+
     jobs = sys.stdin.buffer
     results = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the compile prints must not corrupt the result stream
     # Inductor's imports, before the first job arrives (they overlap with the parent's trace).
-    from tessera import _compat
-    from tessera.priority import lower_process
-
-    # The pool sets it (compile_pool._worker_env): a worker competes with the parent's served calls.
-    lower_process(os.environ.get("TESSERA_BACKGROUND_PRIORITY", "low"))
     _compat.preload_inductor()
     write_message(results, pickle.dumps(READY))
     while True:

@@ -106,15 +106,16 @@ class LoadsWithoutGraph(Protocol):
 
 @runtime_checkable
 class CompilesInWorkers(Protocol):
-    """Compiles a piece at a static size in a worker process (compile_pool.py): ``job`` describes
-    the compile (None: this one cannot leave the process), ``finish`` loads what the worker saved."""
+    """Compiles a piece at a static size or the general one in a worker process (compile_pool.py):
+    ``job`` describes the compile (None: this one cannot leave the process), ``finish`` loads what
+    the worker saved."""
 
     def job(
         self,
         graph: torch.fx.GraphModule,
         example_inputs: Sequence[Any],
         config: CompileConfig,
-        size: int,
+        size: int | None,
         key: str,
     ) -> PieceJob | None: ...
 

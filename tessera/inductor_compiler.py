@@ -27,6 +27,7 @@ from tessera.cache.key import KeyRecord, machine_factors, machine_key
 from tessera.compile_jobs import CACHE_ENV, JobDone, PieceJob, TensorSpec
 from tessera.config import CompileConfig, Shape, Size
 from tessera.errors import ArtifactDamaged, CompilerError
+from tessera.symbolic_inputs import describe
 
 log = logging.getLogger(__name__)
 
@@ -167,12 +168,13 @@ class InductorCompiler:
         graph: torch.fx.GraphModule,
         example_inputs: Sequence[Any],
         config: CompileConfig,
-        size: int,
+        size: int | None,
         key: str,
     ) -> PieceJob | None:
         """``compile`` as a job for a worker process, which writes the piece file into the entry.
-        None without a cache directory (a worker's result reaches this process through the file)
-        and for inputs on an accelerator (see below)."""
+        None without a cache directory (a worker's result reaches this process through the file),
+        for inputs on an accelerator (see below), and for a general size whose symbolic inputs
+        cannot be described for another process (symbolic_inputs.describe)."""
         if self.cache_dir is None:
             return None
         if any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in example_inputs):
@@ -180,9 +182,16 @@ class InductorCompiler:
             # memory a serving process on the same accelerator may need. Until workers compile
             # from fake inputs, accelerator pieces compile in this process.
             return None
+        inputs: Any
+        if size is None:
+            inputs = describe(example_inputs)
+            if inputs is None:
+                return None
+        else:
+            inputs = tuple(TensorSpec.of(x) if isinstance(x, torch.Tensor) else x for x in example_inputs)
         return PieceJob(
             graph=graph,
-            inputs=tuple(TensorSpec.of(x) if isinstance(x, torch.Tensor) else x for x in example_inputs),
+            inputs=inputs,
             config=config,
             size=size,
             key=key,

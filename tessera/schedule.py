@@ -248,9 +248,9 @@ class Background:
         if not self._worker_failure_said:
             self._worker_failure_said = True
             log.warning(
-                "%s: a compile worker failed on %s at size %s (%s); compiling here instead",
+                "%s: a compile worker failed on %s (%s: %s); compiling here instead",
                 self.owner.prefix,
                 job.work.item.name,
-                job.size,
+                size_label(job.size),
                 error,
             )

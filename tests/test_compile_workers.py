@@ -105,11 +105,22 @@ def test_static_sizes_go_to_the_workers_one_job_per_distinct_piece(fake_workers,
     # Identical layers send one job; the others take its artifact as shared, as in a compile here.
     sent = [a for a in sized if a.source == "compiled"]
     assert {a.worker for a in sent} == {FAKE_PID}
-    assert len(fake_workers.FakePool.jobs) == len(sent) < pieces
+    assert len([job for job in fake_workers.FakePool.jobs if job.size == 8]) == len(sent) < pieces
     assert {a.source for a in sized} == {"compiled", "shared"}
-    assert all(job.size == 8 for job in fake_workers.FakePool.jobs)
-    # General artifacts and ranges compile here (their symbolic shapes stay in this process).
-    assert 8 not in fake_workers.WorkerCompiler.here and None in fake_workers.WorkerCompiler.here
+    assert 8 not in fake_workers.WorkerCompiler.here
+    if background:
+        # General artifacts compile in the workers too, off this process's GIL, while the pieces
+        # serve as traced; one job per distinct piece, as for a size.
+        assert {job.size for job in fake_workers.FakePool.jobs} == {None, 8}
+        assert None not in fake_workers.WorkerCompiler.here
+        general = [a for a in _artifacts(compiled, "general") if a.source == "compiled"]
+        assert general and {a.worker for a in general} == {FAKE_PID}
+    else:
+        # Up front, the first output waits for the general artifacts: compiled here, first.
+        assert {job.size for job in fake_workers.FakePool.jobs} == {8}
+        assert None in fake_workers.WorkerCompiler.here
+    # Ranges compile here (a range's symbolic shapes stay in this process).
+    assert fake_workers.WorkerCompiler.here.count(None) < len(fake_workers.WorkerCompiler.here)
     args = toy_llama.example_inputs(8)
     torch.testing.assert_close(compiled(*args), model(*args))
     assert dict(next(p for p in compiled.pieces if not p.is_splitting).served).get("size 8", 0) >= 1
@@ -132,7 +143,11 @@ def test_a_failed_worker_is_said_once_and_the_piece_compiles_here(fake_workers, 
     said = [r for r in caplog.records if "compile worker failed" in r.getMessage()]
     assert len(said) == 1 and "the worker died" in said[0].getMessage()
     assert compiled.report.background == "done"
-    assert fake_workers.WorkerCompiler.here.count(8) == len(fake_workers.FakePool.jobs) >= 1
+    # Every job the workers failed (the general artifacts' and the size's) compiled here.
+    assert sorted(fake_workers.WorkerCompiler.here, key=str) == sorted(
+        (job.size for job in fake_workers.FakePool.jobs), key=str
+    )
+    assert fake_workers.WorkerCompiler.here.count(8) >= 1
     assert all(a.worker is None for a in compiled.report.artifacts)
     args = toy_llama.example_inputs(8)
     torch.testing.assert_close(compiled(*args), model(*args))
@@ -283,3 +298,39 @@ def test_a_forked_child_starts_its_own_pool(monkeypatch):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert "shared" in compile_pool._pools  # the parent keeps its own
+
+
+class _BatchByLength(torch.nn.Module):
+    """Two dynamic sizes whose piece sees their product (BERT's rows): ``b * n`` in its shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        return self.proj(x.reshape(b * n, d)).relu().reshape(b, n, d) + x.mean(1, keepdim=True)
+
+
+@pytest.mark.inductor
+def test_a_general_compile_in_a_worker_serves_every_shape_and_the_next_start_loads_it():
+    model = _BatchByLength().requires_grad_(False)  # an inference model; grad stays enabled
+    compiled = tessera.compile(model, backend="inductor", compile_workers=1, background_compile=True)
+    shapes = [(2, 3), (3, 5), (4, 2)]
+    for b, n in shapes:  # grad enabled: a caller's default state
+        x = torch.randn(b, n, 8)
+        torch.testing.assert_close(compiled(x), model(x), msg=f"{b}x{n}, compiling")
+    assert compiled.wait_ready(300)
+    general = [a for a in _artifacts(compiled, "general") if a.source == "compiled"]
+    # The general artifact was compiled in the worker, from the trace's symbolic shapes made again.
+    assert general and all(a.worker is not None and a.worker != os.getpid() for a in general)
+    for b, n in [*shapes, (5, 9), (1, 6), (7, 1)]:  # sizes the first calls did not have
+        x = torch.randn(b, n, 8)
+        torch.testing.assert_close(compiled(x), model(x), msg=f"{b}x{n}, ready")
+    torch._dynamo.reset()
+    counters.reset()
+    warm = tessera.compile(model, backend="inductor", compile_workers=1)
+    x = torch.randn(6, 4, 8)
+    torch.testing.assert_close(warm(x), model(x))
+    counts = counters.snapshot()
+    assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts

@@ -4,7 +4,7 @@ Nothing here is imported eagerly: Dynamo and Inductor cost ~1 s to import, and a
 the whole-model artifact needs neither. Each helper says which torch versions it was checked on
 (2.11 and 2.13 unless noted) and what public API would let it go.
 
-A package of parts (guards, tensors, bytecode, fx, inductor, runtime), each name used as
+A package of parts (guards, tensors, shapes, bytecode, fx, inductor, runtime), each name used as
 ``_compat.<name>``: this module holds the torch version check and Dynamo's tracing settings, and
 re-exports every part's names.
 """
@@ -81,6 +81,10 @@ from tessera._compat.runtime import (
     join_before_pools_shut as join_before_pools_shut,
     openmp_runtime as openmp_runtime,
     trace_artifact as trace_artifact,
+)
+from tessera._compat.shapes import (
+    SymbolMaker as SymbolMaker,
+    symbol_facts as symbol_facts,
 )
 from tessera._compat.tensors import (
     OpOverload as OpOverload,

@@ -1,0 +1,102 @@
+"""A trace's symbolic sizes, read out of its shape env and made again in another process's.
+
+Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``. Used by
+symbolic_inputs.py, which sends a general compile to a compile worker: the worker needs the
+piece's example inputs with the trace's size symbols, their hints and their ranges.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def symbol_facts(symint: torch.SymInt) -> dict[Any, tuple[int, int | None, int | None]] | None:
+    """Each free symbol of ``symint``'s expression: ``(hint, lower, upper)`` (None: no bound).
+    None when one has no hint (an unbacked symbol: its value is data, not a size).
+
+    Checked on torch 2.11, 2.13: private ``SymNode.shape_env``, ``ShapeEnv.var_to_range`` and
+    ``backed_var_to_val`` (``var_to_val`` before 2.13); no public accessor of a symbol's range.
+    """
+    node = symint.node
+    shape_env = getattr(node, "shape_env", None)
+    if shape_env is None:
+        return None
+    # torch 2.13 renamed var_to_val (deprecated, with a FutureWarning) to backed_var_to_val.
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    if hints is None:
+        hints = shape_env.var_to_val
+    ranges = shape_env.var_to_range
+    facts: dict[Any, tuple[int, int | None, int | None]] = {}
+    for symbol in node.expr.free_symbols:
+        hint = hints.get(symbol)
+        if hint is None:
+            return None
+        found = ranges.get(symbol)
+        lower = _bound(found.lower) if found is not None else None
+        upper = _bound(found.upper) if found is not None else None
+        facts[symbol] = (int(hint), lower, upper)
+    return facts
+
+
+def _bound(value: Any) -> int | None:
+    """A range's bound as an int; None for int_oo and sympy's infinities (no bound)."""
+    import sympy
+
+    if isinstance(value, int | sympy.Integer):
+        return int(value)
+    return None
+
+
+class SymbolMaker:
+    """A fresh fake-tensor mode with a shape env of its own, in which the symbols of another
+    process's trace are made again (``symbol``) and expressions over them made into SymInts.
+
+    Checked on torch 2.11, 2.13: private ``ShapeEnv.create_symbol`` / ``create_symintnode`` /
+    ``constrain_symbol_range`` and ``FakeTensorMode``; no public way to make a size symbol with a
+    given hint and range."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.shape_env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.shape_env)
+
+    def symbol(self, name: str, hint: int, lower: int | None, upper: int | None) -> Any | None:
+        """A new symbol standing for the trace's ``name``, with its hint and exactly its range;
+        None when the shape env cannot make that (the compile must not assume what the trace did
+        not: a range narrowed to ``>= 2`` would let Inductor drop the code for a size of 1)."""
+        import sympy
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+        from torch.utils._sympy.numbers import int_oo
+
+        if lower is None or lower < 0:  # an int argument, not a size: sizes are made >= 0
+            return None
+        # Made with the widest range (no 0/1 specialization), then narrowed to the trace's.
+        made = self.shape_env.create_symbol(
+            hint, ConstantSource(f"tessera_{name}"), DimDynamic.DYNAMIC, do_not_specialize_zero_one=True
+        )
+        if not isinstance(made, sympy.Symbol):
+            return None
+        self.shape_env.constrain_symbol_range(made, lower, upper if upper is not None else int_oo)
+        found = self.shape_env.var_to_range[made]
+        if (_bound(found.lower), _bound(found.upper)) != (lower, upper):
+            return None
+        return made
+
+    def symint(self, expr: Any, hint: int) -> torch.SymInt:
+        return self.shape_env.create_symintnode(expr, hint=hint)  # type: ignore[return-value]
+
+    def propagate(self, graph: torch.fx.GraphModule, inputs: list[Any]) -> None:
+        """Run ``graph`` on the fake ``inputs``, leaving each node's fake value in its meta, as a
+        Dynamo graph carries them (``val`` and ``example_value``): what Inductor's compile of a
+        graph with its own symbolic shapes reads them from."""
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        FakeTensorProp(graph, self.mode).propagate_dont_convert_inputs(*inputs)
+        for node in graph.graph.nodes:
+            if "val" in node.meta:
+                node.meta["example_value"] = node.meta["val"]
