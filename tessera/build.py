@@ -334,7 +334,9 @@ def _compile_pool(split_model: SplitModel, pieces_args: list[Sequence[Any]]) -> 
     ):
         return None
     count = split_model.config.compile_workers
-    return shared_pool(default_count() if count is None else count, split_model.config.background_priority)
+    if count is None:
+        count = default_count(general=bool(on_cpu) and serves_traced(split_model))
+    return shared_pool(count, split_model.config.background_priority)
 
 
 def _sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[Size, ...]:

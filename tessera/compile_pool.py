@@ -51,13 +51,17 @@ MAX_WORKERS = 8
 START_SECONDS = 180.0
 
 
-def default_count() -> int:
+def default_count(general: bool = False) -> int:
     """Workers when ``compile_workers`` is not set: two cores for this process (tracing, serving
     as traced, the general compiles) and Inductor's kernel compiles, then one worker per two
-    cores (its Python and its kernel compiles), up to ``MAX_WORKERS``. None on two cores: measured
-    there, one worker made an up-front cold compile slower (its start competes with the general
-    compiles), see benchmarks/cold_start.py."""
-    return max(0, min(MAX_WORKERS, ((os.cpu_count() or 2) - 2) // 2))
+    cores (its Python and its kernel compiles), up to ``MAX_WORKERS``. None on two cores for
+    static sizes alone: measured there, one worker made an up-front cold compile slower (its start
+    competes with the general compiles), see benchmarks/cold_start.py. At least one where the
+    general compiles can go to it (``general``: in the background, while the pieces serve): a
+    general compile here holds the GIL that the served calls need, in C calls no pacing
+    interrupts (benchmarks/first_minute.py, docs/serving.md)."""
+    count = max(0, min(MAX_WORKERS, ((os.cpu_count() or 2) - 2) // 2))
+    return max(count, 1) if general else count
 
 
 @dataclass(frozen=True)
