@@ -82,10 +82,7 @@ from tessera._compat.runtime import (
     openmp_runtime as openmp_runtime,
     trace_artifact as trace_artifact,
 )
-from tessera._compat.shapes import (
-    SymbolMaker as SymbolMaker,
-    symbol_facts as symbol_facts,
-)
+from tessera._compat.shapes import SymbolMaker as SymbolMaker, symbol_facts as symbol_facts
 from tessera._compat.tensors import (
     OpOverload as OpOverload,
     OpOverloadPacket as OpOverloadPacket,

@@ -41,7 +41,10 @@ def symbol_facts(symint: torch.SymInt) -> dict[Any, tuple[int, int | None, int |
 
 
 def _bound(value: Any) -> int | None:
-    """A range's bound as an int; None for int_oo and sympy's infinities (no bound)."""
+    """A range's bound as an int; None for int_oo and sympy's infinities (no bound).
+
+    Checked on torch 2.11, 2.13: a bound of the private ``ValueRanges`` is a sympy number, its
+    infinity torch's own ``int_oo`` (not an Integer); no public range type."""
     import sympy
 
     if isinstance(value, int | sympy.Integer):
