@@ -100,7 +100,11 @@ class _Worker(threading.Thread):
         stdout = process.stdout
         assert stdout is not None
         readable, _, _ = select.select([stdout], [], [], START_SECONDS)
-        said = read_message(stdout) if readable else None
+        try:
+            said = read_message(stdout) if readable else None
+        except Exception as e:  # not a message: something else wrote to the result stream
+            said = None
+            log.debug("compile worker %d: %s: %s", process.pid, type(e).__name__, e)
         if said == READY:
             self.ready = True
             return None
@@ -175,7 +179,7 @@ class CompilePool:
         try:
             payload = pickle.dumps(job)
         except Exception as e:  # a graph holding something unpicklable (a custom op's closure)
-            log.debug("piece job at size %d does not pickle (%s: %s)", job.size, type(e).__name__, e)
+            log.debug("piece job at size %s does not pickle (%s: %s)", job.size, type(e).__name__, e)
             return False
         self.jobs.put((payload, tag, replies))
         return True

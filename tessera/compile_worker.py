@@ -51,17 +51,17 @@ def run(job: PieceJob) -> JobDone:
 
 def main() -> None:
     """Serve jobs until stdin closes."""
+    jobs = sys.stdin.buffer
+    results = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # what the imports and the compile print must not corrupt the result stream
     from tessera.priority import lower_process
 
-    # First, before torch's import (seconds of CPU): the pool sets it (compile_pool._worker_env),
-    # and a worker competes with the parent's served calls from its start.
+    # Before torch's import (seconds of CPU): the pool sets it (compile_pool._worker_env), and a
+    # worker competes with the parent's served calls from its start.
     lower_process(os.environ.get("TESSERA_BACKGROUND_PRIORITY", "low"))
     from tessera import _compat
     from tessera.compile_jobs import READY, JobFailed, read_message, write_message
 
-    jobs = sys.stdin.buffer
-    results = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # what the compile prints must not corrupt the result stream
     # Inductor's imports, before the first job arrives (they overlap with the parent's trace).
     _compat.preload_inductor()
     write_message(results, pickle.dumps(READY))

@@ -193,10 +193,11 @@ class CompileConfig:
     # the cyclic garbage it left (5-11 MB on small models; more for larger compiles) for good
     # (heap.py). The heap is the process's: False on every model keeps CPython's collections.
     freeze_heap: bool = field(default_factory=lambda: not v.env_off("FREEZE_HEAP"))
-    # Worker processes that compile the static sizes (compile_sizes) while this process compiles
-    # the general artifacts (in the background, or up front), started on the first model that
-    # needs them and kept for the process; artifacts are the same as compiled here. 0: none.
-    # None: one per two cores beyond two, up to 8 (none on two cores: see compile_pool.py).
+    # Worker processes that compile the static sizes (compile_sizes), and in the background the
+    # general artifacts, off this process's GIL; started on the first model that needs them and
+    # kept for the process; artifacts are the same as compiled here. 0: none. None: one per two
+    # cores beyond two, up to 8, and at least one where general artifacts compile in the
+    # background while pieces serve as traced (compile_pool.default_count).
     compile_workers: int | None = field(
         default_factory=lambda: v.env_value("COMPILE_WORKERS", None, int, v.check_workers)
     )

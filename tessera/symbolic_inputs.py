@@ -10,8 +10,9 @@ there gives code for every size the trace's covers.
 What is not carried, and why it is safe: facts the trace's shape env learnt beyond each symbol's
 range (equalities and guards from the whole model's trace). Without them the worker's code is at
 least as general as the code a compile here would give. What cannot be carried is refused (None),
-and the piece compiles in this process: an unbacked size, inputs that share storage (the compile
-plans for the aliasing it sees), a tensor that is not a plain strided one.
+and the piece compiles in this process: an unbacked size, a symbol that is not a size's (positive),
+inputs that share storage (the compile plans for the aliasing it sees), a view at an offset, a
+tensor that is not a plain strided one or carries conjugate or negative view bits.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def _describe_one(value: Any, symbols: dict[str, SymbolSpec]) -> Any:
     if isinstance(value, torch.Tensor):
         if not _compat.is_plain_tensor(value) or value.layout != torch.strided:
             raise _Refused
+        if value.is_conj() or value.is_neg():  # view bits an empty_strided tensor does not have
+            raise _Refused
         if _as_int(value.storage_offset(), symbols) != 0:
             raise _Refused  # a view into a larger storage: the compile would see a base it has not
         return SymbolicTensor(
@@ -115,6 +118,11 @@ def _as_int(value: Any, symbols: dict[str, SymbolSpec]) -> Any:
     if facts is None:
         raise _Refused
     for symbol, (hint, lower, upper) in facts.items():
+        if not symbol.is_positive:
+            # An int argument's symbol (Dynamo makes sizes positive): one made again here would be
+            # positive, and sympy would then fold its expressions (Eq(s, 0) to False) as the
+            # trace did not.
+            raise _Refused
         symbols.setdefault(str(symbol), SymbolSpec(str(symbol), hint, lower, upper))
     return _compat.sym_expr(value)
 

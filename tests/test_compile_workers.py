@@ -327,6 +327,7 @@ def test_a_general_compile_in_a_worker_serves_every_shape_and_the_next_start_loa
     for b, n in [*shapes, (5, 9), (1, 6), (7, 1)]:  # sizes the first calls did not have
         x = torch.randn(b, n, 8)
         torch.testing.assert_close(compiled(x), model(x), msg=f"{b}x{n}, ready")
+    assert compiled.wait_ready(300)  # a size of 1 may have been traced again: its compiles done
     torch._dynamo.reset()
     counters.reset()
     warm = tessera.compile(model, backend="inductor", compile_workers=1)

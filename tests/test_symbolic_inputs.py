@@ -118,6 +118,15 @@ def test_inputs_that_cannot_cross_are_refused_and_compile_in_this_process(tmp_pa
     assert describe(fakes) is None  # two inputs of one storage: the compile plans for that
     assert describe([mode.from_tensor(torch.randn(4, 4)), mode.from_tensor(torch.randn(4, 4))]) is not None
     assert describe([mode.from_tensor(base[1:])]) is None  # a view at an offset
+    assert describe([mode.from_tensor(torch.randn(2, dtype=torch.complex64).conj())]) is None
+    # A symbol that is not a size's (an int argument's: not positive) is refused; a size's is not.
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    for positive, crosses in ((None, False), (True, True)):
+        symbol = env.create_symbol(3, ConstantSource(f"n{positive}"), DimDynamic.DYNAMIC, positive=positive)
+        assert (describe([env.create_symintnode(symbol, hint=3)]) is not None) is crosses
     assert describe([torch.randn(2).to_sparse()]) is None
     assert describe([object()]) is None
     compiler = InductorCompiler()

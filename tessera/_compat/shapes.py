@@ -57,8 +57,8 @@ class SymbolMaker:
     process's trace are made again (``symbol``) and expressions over them made into SymInts.
 
     Checked on torch 2.11, 2.13: private ``ShapeEnv.create_symbol`` / ``create_symintnode`` /
-    ``constrain_symbol_range`` and ``FakeTensorMode``; no public way to make a size symbol with a
-    given hint and range."""
+    ``constrain_symbol_range`` / ``var_to_range``, ``DimDynamic``, ``ConstantSource``, ``int_oo``
+    and ``FakeTensorMode``; no public way to make a size symbol with a given hint and range."""
 
     def __init__(self) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -96,7 +96,11 @@ class SymbolMaker:
     def propagate(self, graph: torch.fx.GraphModule, inputs: list[Any]) -> None:
         """Run ``graph`` on the fake ``inputs``, leaving each node's fake value in its meta, as a
         Dynamo graph carries them (``val`` and ``example_value``): what Inductor's compile of a
-        graph with its own symbolic shapes reads them from."""
+        graph with its own symbolic shapes reads them from.
+
+        Checked on torch 2.11, 2.13: ``torch.fx.passes.fake_tensor_prop.FakeTensorProp`` (not
+        marked backward compatible) and the meta keys Dynamo and ``standalone_compile`` use; no
+        public way to give a graph its fake values."""
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
         FakeTensorProp(graph, self.mode).propagate_dont_convert_inputs(*inputs)
