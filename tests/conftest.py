@@ -40,6 +40,12 @@ def _clean_state(request, tmp_path, monkeypatch):
     # Counters and records after a first call are exact only when every size compiled before it:
     # tests compile up front, and tests/test_background.py turns the background on where it tests it.
     monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "0")
+    # And in their own process: a compile worker's start (torch and Inductor imported again, 5-10
+    # s of CPU on two cores) in every child process of every test cost CI about 15 minutes. The
+    # tests of compile workers ask for them; those on the defaults (test_defaults.py, the
+    # "on_the_defaults" ones, a fleet serving while it compiles) set TESSERA_COMPILE_WORKERS=""
+    # for the default, one worker where general artifacts compile in the background.
+    monkeypatch.setenv("TESSERA_COMPILE_WORKERS", "0")
     if request.node.get_closest_marker("inductor") is None:
         yield
     else:

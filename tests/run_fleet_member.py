@@ -79,6 +79,8 @@ def main() -> int:
         compiler = {"eager": tessera.compilers.EagerCompiler, "inductor": tessera.compilers.InductorCompiler}
         cls = compiler[args.backend]
         cls.compile = _held(cls.compile, Path(args.hold))  # type: ignore[method-assign]
+        if hasattr(cls, "job"):  # a compile sent to a worker is held as it is sent, in the lease
+            cls.job = _held(cls.job, Path(args.hold))  # type: ignore[attr-defined]
     model = toy_llama.build(num_layers=args.layers, hidden_size=width, intermediate_size=2 * width)
     compiled = tessera.compile(model, backend=args.backend)
     matched = True

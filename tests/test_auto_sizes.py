@@ -261,7 +261,7 @@ def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_d
     eager first), in two fresh processes: the first learns the hot shapes; the second loads them
     and serves them from its first calls, compiling nothing."""
     html = tmp_path / "report.html"
-    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1", "TESSERA_COMPILE_WORKERS": ""}
     cold = run_json("tests.run_auto_sizes", "inductor", "shapes", str(html), cache=tmp_path, **defaults)
     assert sorted(cold["learnt"]) == [[2, 16], [4, 8]], cold["learnt"]  # batch x length, in that order
     assert cold["counters"]["inductor_compiles"] > 0 and cold["counters"]["served_eagerly"] >= 1

@@ -38,7 +38,13 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
     cases = GROUPS[group]
 
     def run() -> dict:
-        return run_json("tests.run_defaults", *cases, cache=tmp_path / "c", TESSERA_BACKGROUND_COMPILE="1")
+        return run_json(
+            "tests.run_defaults",
+            *cases,
+            cache=tmp_path / "c",
+            TESSERA_BACKGROUND_COMPILE="1",
+            TESSERA_COMPILE_WORKERS="",  # the default: a worker compiles the general artifacts
+        )
 
     cold, warm = run(), run()  # each compares every output with eager's, strides too
     for case in cases:

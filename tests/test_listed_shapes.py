@@ -190,7 +190,7 @@ def test_inductor_compiles_listed_shapes_cold_and_loads_them_warm_on_the_default
     (Inductor, background compile, eager first) in two fresh processes: the first compiles the
     listed shapes and serves them; the second loads them and compiles nothing. Every output is
     eager's (the helper compares)."""
-    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1", "TESSERA_COMPILE_WORKERS": ""}
     cold = run_json("tests.run_auto_sizes", "inductor", "shapes-listed", cache=tmp_path, **defaults)
     assert cold["learnt"] == [] and cold["counters"]["inductor_compiles"] > 0
     assert {"shape 2x16", "shape 4x8"} <= set(cold["served_by"]), cold["served_by"]

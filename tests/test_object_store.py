@@ -417,7 +417,8 @@ def test_a_replica_serves_as_traced_while_the_lease_holder_compiles(tmp_path, s3
     out, gate = tmp_path / "out", tmp_path / "gate"
     out.mkdir()
     gate.mkdir()
-    defaults = {"TESSERA_BACKGROUND_COMPILE": "1"}  # and eager first: the defaults
+    # And eager first, and a compile worker for the general artifacts: the defaults.
+    defaults = {"TESSERA_BACKGROUND_COMPILE": "1", "TESSERA_COMPILE_WORKERS": ""}
     holder = member(out, tmp_path / "a", s3_server.url, "--hold", str(gate), **defaults)
     until((gate / "holder").exists, [holder], "the first replica holds the lease in its compile")
     second = member(out, tmp_path / "b", s3_server.url, **defaults)
