@@ -50,4 +50,6 @@ def header(name: str) -> dict[str, Any]:
         },
         "torch": torch.__version__,
         "python": platform.python_version(),
+        # The TESSERA_ settings the run was made under (TESSERA_COMPILE_WORKERS=1, ...).
+        "tessera_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TESSERA_")},
     }
