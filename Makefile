@@ -38,10 +38,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tessera demo
 
-# The Redis tests start a real redis-server (on a loopback port): install it when missing.
+# The Redis tests start a real redis-server (on a loopback port): install it when missing. The 25
+# slowest tests are listed at the end: CI has a time bound (45 minutes on 2 cores).
 test: $(STAMP)
 	$(REDIS)
-	$(PY) -m pytest -q -m "not extended"
+	$(PY) -m pytest -q -m "not extended" --durations=25
 
 # More model families for behaviours `make test` covers (on demand: CI's time is bounded).
 test-extended: $(STAMP)

@@ -17,7 +17,9 @@ from tests.run_torch_compile import Attention, Branches
 def test_a_fresh_process_finds_the_backend_by_name_and_a_second_compiles_nothing(tmp_path, backend):
     cold = run_json("tests.run_torch_compile", backend, cache=tmp_path / "cache")
     assert cold["listed"] and not cold["imported_before_compile"], "found through the entry point"
-    assert cold["Attention"] == 0.0 and cold["Branches"] == 0.0  # equal to eager (assert_close too)
+    # Equal to eager (the child asserts assert_close at every size). Not bit-equal: what serves a
+    # call depends on when the background compile lands, and Inductor's tanh may differ in the last bit.
+    assert cold["Attention"] < 1e-5 and cold["Branches"] < 1e-5
     breaks = [where for is_break, where in cold["graphs"] if is_break]
     assert breaks and all("run_torch_compile.py" in where for where in breaks), "the branch's line"
     compiled = "inductor_compiles" if backend == "inductor" else "eager_compiles"
