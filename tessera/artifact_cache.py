@@ -12,7 +12,7 @@ import os
 import pickle
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +197,11 @@ class ArtifactCache:
                 self._write(lambda entry: entry.link_artifacts({key: shared}))
             return CompileOutcome(twin.fn, time.perf_counter() - start, Source.SHARED, twin.record)
         return None
+
+    def lacks(self, keys: Iterable[Any]) -> bool:
+        """Whether the entry's index records no artifact for one of ``keys`` (index keys): a
+        compile is coming (a recorded file that turns out damaged is compiled then too)."""
+        return self.entry is not None and any(k not in self.entry.index.entries for k in keys)
 
     def flush(self) -> None:
         """Write what this turn recorded to the entry's index: once, however many pieces."""

@@ -173,7 +173,6 @@ def _build_pieces(
         for item, fake, _ in calls
         for s in (_sizes(split_model, fake)[:1] if later else _sizes(split_model, fake))
     }
-    # Started now, so that the workers import Inductor while the general artifacts compile.
     split_model.pool = _compile_pool(split_model, [fake for _, fake, _ in calls])
     # Up front with workers: every general artifact here first, then the rest at once, the
     # static sizes in the workers (as in the background, but before the first output).
@@ -190,6 +189,11 @@ def _build_pieces(
     progress = CompileProgress(split_model.prefix, len(needed))
     try:
         with COMPILE_LOCK, turn:
+            if split_model.pool is not None and split_model.artifact_cache.lacks(needed):
+                # Started now (after the fleet's turn: what it published is in the index), so that
+                # the workers import Inductor while the first artifacts compile. A warm start
+                # starts none; sizes missing later start them with their first job.
+                split_model.pool.start()
             try:
                 for item, fake_args, real_args in calls:
                     _build(

@@ -3,8 +3,9 @@
 Inductor's compile is Python (lowering, scheduling, code generation) under the GIL, and its
 configuration is global, so two compiles in one process neither overlap nor stay apart
 (``backend.COMPILE_LOCK``). Processes do both. Each worker (``compile_worker.py``) is started once,
-on the first model that needs it, while that model is still tracing, and serves every later model
-of the process; it runs Inductor's own kernel compiles with its share of the cores.
+when the first model that needs it finds an artifact missing from its cache (a warm start starts
+none), and serves every later model of the process; it runs Inductor's own kernel compiles with
+its share of the cores.
 
 Static sizes and general ones go to a worker (see compile_jobs.py): a general compile there keeps
 this process's GIL free for the calls it serves meanwhile (Inductor's lowering and code generation
@@ -80,7 +81,13 @@ class _Worker(threading.Thread):
         self.pool = pool
         self.process: subprocess.Popen[bytes] | None = None
         self.ready = False  # the process said READY
-        self.start_process()
+        self.starting = threading.Lock()  # the pool's start and this thread's first job race
+
+    def ensure_process(self) -> None:
+        """Start the worker process unless it runs (one that died is replaced)."""
+        with self.starting:
+            if self.process is None or self.process.poll() is not None:
+                self.start_process()
 
     def start_process(self) -> None:
         try:
@@ -90,6 +97,7 @@ class _Worker(threading.Thread):
                 stdout=subprocess.PIPE,
                 env=self.pool.env,
             )
+            counters.bump("compile_workers_started")
         except OSError as e:
             log.warning("cannot start a compile worker (%s); compiling in this process", e)
             self.process = None
@@ -123,8 +131,7 @@ class _Worker(threading.Thread):
             replies.put(Reply(tag, result))
 
     def serve(self, payload: bytes) -> JobDone | JobFailed:
-        if self.process is None or self.process.poll() is not None:
-            self.start_process()  # a worker that died is replaced for the next job
+        self.ensure_process()  # started by the pool, or now; one that died is replaced
         process = self.process
         if process is None:
             return JobFailed("no compile worker could be started")
@@ -162,7 +169,8 @@ class _Worker(threading.Thread):
 
 
 class CompilePool:
-    """Worker processes, started at once and kept until this process exits."""
+    """Worker processes, started (``start``) when something is to compile, or at the first job,
+    and kept until this process exits: a warm start that loads every artifact starts none."""
 
     def __init__(self, count: int, priority: str = "low") -> None:
         self.count = count
@@ -170,8 +178,18 @@ class CompilePool:
         self.env = _worker_env(count, priority)
         self.priority = priority
         self.workers = [_Worker(self, n) for n in range(count)]
+        self.started = False
         for worker in self.workers:
-            worker.start()
+            worker.start()  # the feeding threads; the processes wait for start() or a job
+
+    def start(self) -> None:
+        """Start the worker processes now, so that they import torch and Inductor while this
+        process compiles what it compiles first (idempotent)."""
+        if self.started:
+            return
+        self.started = True
+        for worker in self.workers:
+            worker.ensure_process()
 
     def submit(self, job: PieceJob, tag: Any, replies: queue.SimpleQueue[Reply]) -> bool:
         """Queue ``job``; its ``Reply`` arrives on ``replies``. False (nothing queued) when the job

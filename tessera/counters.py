@@ -25,6 +25,7 @@ NAMES = (
     "sizes_learnt",  # static sizes compiled because the traffic had them (compile_sizes="auto")
     "sizes_retired",  # learnt sizes taken out for hotter ones
     "served_eagerly",  # calls the model's forward served while their trace was made (beside.py)
+    "compile_workers_started",  # compile worker processes started (compile_pool.py)
     # The remote tier: requests made to its store (Redis commands, object-store HTTP requests),
     # those that write (PUTs: an object store bills them at about ten times a GET), and the blob
     # bytes moved each way.

@@ -1,5 +1,6 @@
-"""Compile workers: static sizes compiled in processes of their own while the general artifacts
-compile here, with the same results and the same cache contents as a compile in this process."""
+"""Compile workers: static sizes (and, in the background, general artifacts) compiled in
+processes of their own, with the same results and the same cache contents as a compile in this
+process."""
 
 from __future__ import annotations
 
@@ -56,8 +57,12 @@ class FakePool:
     """Answers each job at once: done (the graph runs as is), or failed when ``fail`` is set."""
 
     fail: ClassVar[bool] = False
+    started: ClassVar[bool] = False
     jobs: ClassVar[list[PieceJob]] = []
     graphs: ClassVar[dict[str, torch.fx.GraphModule]] = {}
+
+    def start(self) -> None:
+        FakePool.started = True
 
     def submit(self, job: PieceJob, tag: Any, replies: queue.SimpleQueue[Reply]) -> bool:
         FakePool.jobs.append(job)
@@ -72,6 +77,7 @@ def fake_workers(monkeypatch):
     cls = importlib.import_module("tests.test_compile_workers")
     cls.WorkerCompiler.here = []
     cls.FakePool.fail = False
+    cls.FakePool.started = False
     cls.FakePool.jobs = []
     cls.FakePool.graphs = {}
     monkeypatch.setattr(
@@ -99,6 +105,7 @@ def test_static_sizes_go_to_the_workers_one_job_per_distinct_piece(fake_workers,
         args = toy_llama.example_inputs(n)
         torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens")
     assert compiled.wait_ready(60)
+    assert fake_workers.FakePool.started  # started at the build: its index lacked every artifact
     sized = _artifacts(compiled, "size 8")
     pieces = sum(not p.is_splitting for p in compiled.pieces)
     assert len(sized) == pieces

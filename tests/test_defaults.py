@@ -55,8 +55,12 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
         assert warm[case]["counters"].get("graphs_traced", 0) == 0, (case, warm[case])
         assert warm[case]["counters"].get("served_eagerly", 0) == 0, (case, warm[case])
         assert warm[case]["counters"].get("inductor_compiles", 0) == 0, (case, warm[case])
+        # Nothing to compile: no compile worker started either (a process, and torch imported).
+        assert warm[case]["counters"].get("compile_workers_started", 0) == 0, (case, warm[case])
         assert warm[case]["loaded"] == warm[case]["traces"] >= 1, (case, warm[case])
         assert cold[case]["warnings"] == warm[case]["warnings"] == [], case  # no CacheWarning
+    # The cold process compiled its general artifacts in the default worker (one per process).
+    assert sum(cold[case]["counters"].get("compile_workers_started", 0) for case in cases) >= 1
 
 
 class Flag(torch.nn.Module):

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tessera._compat.tensors import backed_hints
+
 
 def symbol_facts(symint: torch.SymInt) -> dict[Any, tuple[int, int | None, int | None]] | None:
     """Each free symbol of ``symint``'s expression: ``(hint, lower, upper)`` (None: no bound).
@@ -23,10 +25,9 @@ def symbol_facts(symint: torch.SymInt) -> dict[Any, tuple[int, int | None, int |
     shape_env = getattr(node, "shape_env", None)
     if shape_env is None:
         return None
-    # torch 2.13 renamed var_to_val (deprecated, with a FutureWarning) to backed_var_to_val.
-    hints = getattr(shape_env, "backed_var_to_val", None)
+    hints = backed_hints(shape_env)
     if hints is None:
-        hints = shape_env.var_to_val
+        return None
     ranges = shape_env.var_to_range
     facts: dict[Any, tuple[int, int | None, int | None]] = {}
     for symbol in node.expr.free_symbols:

@@ -49,14 +49,23 @@ def symbol_ranks(example_inputs: Sequence[Any]) -> dict[str, int]:
         else:
             continue
         for symint in found:
-            shape_env = getattr(symint.node, "shape_env", None)
-            # torch 2.13 renamed var_to_val (deprecated, with a FutureWarning) to backed_var_to_val.
-            made = getattr(shape_env, "backed_var_to_val", None)
-            if made is None:
-                made = getattr(shape_env, "var_to_val", None)
+            made = backed_hints(getattr(symint.node, "shape_env", None))
             if made:
                 return {str(symbol): i for i, symbol in enumerate(made)}
     return {}
+
+
+def backed_hints(shape_env: Any) -> dict[Any, Any] | None:
+    """A shape env's backed symbols and their example values, in the order it made them; None
+    when ``shape_env`` is None or has no such table.
+
+    Checked on torch 2.11, 2.13: private ``ShapeEnv.backed_var_to_val`` (``var_to_val`` before
+    2.13, insertion-ordered); no public accessor."""
+    # torch 2.13 renamed var_to_val (deprecated, with a FutureWarning) to backed_var_to_val.
+    made = getattr(shape_env, "backed_var_to_val", None)
+    if made is None:
+        made = getattr(shape_env, "var_to_val", None)
+    return made
 
 
 def is_constant_symint(value: torch.SymInt) -> bool:
