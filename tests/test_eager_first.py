@@ -248,6 +248,7 @@ def _spin(ticks: list[int], stop: threading.Event, hold: threading.Lock | None =
             step()
 
 
+@pytest.mark.timing
 def test_a_paced_thread_waits_while_calls_are_served():
     with _spinning() as ticks:
         start = ticks[0]
@@ -265,6 +266,7 @@ def test_a_paced_thread_waits_while_calls_are_served():
     assert PACER.threads == 0
 
 
+@pytest.mark.timing
 def test_a_call_that_waits_for_what_a_paced_thread_holds_does_not_wait_on_its_pacing():
     ticks, stop, hold = [0], threading.Event(), threading.Lock()
     thread = threading.Thread(target=_spin, args=(ticks, stop, hold))
@@ -325,6 +327,7 @@ def _spinning() -> Iterator[list[int]]:
         thread.join()
 
 
+@pytest.mark.timing
 def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
     with _spinning() as ticks:
         _learn_typical_call()
@@ -340,6 +343,7 @@ def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
     assert gaps > 10_000 and during < 0.01 * gaps, (during, gaps)
 
 
+@pytest.mark.timing
 def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_its_length():
     with _spinning() as ticks:
         _learn_typical_call()
