@@ -56,11 +56,11 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
         assert warm[case]["counters"].get("served_eagerly", 0) == 0, (case, warm[case])
         assert warm[case]["counters"].get("inductor_compiles", 0) == 0, (case, warm[case])
         # Nothing to compile: no compile worker started either (a process, and torch imported).
+        # Read after the calls, whose loaded traces were built on the call path; the cold side
+        # (a worker started) happens after its counters are read, in the background.
         assert warm[case]["counters"].get("compile_workers_started", 0) == 0, (case, warm[case])
         assert warm[case]["loaded"] == warm[case]["traces"] >= 1, (case, warm[case])
         assert cold[case]["warnings"] == warm[case]["warnings"] == [], case  # no CacheWarning
-    # The cold process compiled its general artifacts in the default worker (one per process).
-    assert sum(cold[case]["counters"].get("compile_workers_started", 0) for case in cases) >= 1
 
 
 class Flag(torch.nn.Module):
