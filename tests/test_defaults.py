@@ -56,8 +56,10 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
         assert warm[case]["counters"].get("served_eagerly", 0) == 0, (case, warm[case])
         assert warm[case]["counters"].get("inductor_compiles", 0) == 0, (case, warm[case])
         # Nothing to compile: no compile worker started either (a process, and torch imported).
-        # Read after the calls, whose loaded traces were built on the call path; the cold side
-        # (a worker started) happens after its counters are read, in the background.
+        # A guard: these warm processes load whole-model artifacts and never reach the build,
+        # where the pool is started only when the index lacks an artifact (that branch is
+        # test_compile_workers' FakePool.started); the cold side's start happens after its
+        # counters are read, in the background.
         assert warm[case]["counters"].get("compile_workers_started", 0) == 0, (case, warm[case])
         assert warm[case]["loaded"] == warm[case]["traces"] >= 1, (case, warm[case])
         assert cold[case]["warnings"] == warm[case]["warnings"] == [], case  # no CacheWarning
