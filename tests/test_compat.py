@@ -165,6 +165,23 @@ def test_graph_compile_reason_names_the_break_and_its_line_and_placeholders_have
     )
 
 
+def test_graph_source_is_the_code_without_compiling_the_lazy_graph():
+    seen: dict[str, Any] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        seen["source"] = _compat.graph_source(gm)
+        seen["still_lazy"] = type(gm)._needs_recompile()  # type: ignore[attr-defined]
+        seen["gm"] = gm
+        return gm.forward
+
+    x = torch.randn(3, 4)
+    out = torch.compile(two_inputs, backend=backend, fullgraph=True)(x, x, 3)
+    torch.testing.assert_close(out, two_inputs(x, x, 3))
+    assert seen["still_lazy"], "reading the source compiled the graph's forward"
+    assert "relu" in seen["source"]
+    assert seen["source"] == seen["gm"].code  # compiled now (the call ran it): the same text
+
+
 def test_fresh_inductor_cache_points_inductor_at_an_empty_directory(tmp_path):
     import os
 

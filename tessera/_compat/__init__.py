@@ -32,6 +32,7 @@ from tessera._compat.bytecode import (
     module_for_bytecode as module_for_bytecode,
 )
 from tessera._compat.fx import (
+    graph_source as graph_source,
     isolate_compiling_flag as isolate_compiling_flag,
     isolate_fx_patches as isolate_fx_patches,
     isolate_fx_tracing as isolate_fx_tracing,

@@ -148,7 +148,7 @@ def machine_key() -> str:
 # -- entry key ----------------------------------------------------------------------------------
 def graph_signature(gm: torch.fx.GraphModule) -> str:
     """sha256 of the traced graph's code and its inputs' shapes, dtypes and devices."""
-    parts = [gm.code]
+    parts = [_compat.graph_source(gm)]  # not gm.code: that compiles the whole graph, holding the GIL
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             value = node.meta.get("example_value")
