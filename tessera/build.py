@@ -122,7 +122,7 @@ def from_trace(
     )
     _compat.trace_artifact("tessera_split_graph", lambda: split_dump)
     if split_model.dumps is not None:
-        split_model.dumps.traced_graph(gm.code)
+        split_model.dumps.traced_graph(_compat.graph_source(gm))
         split_model.dumps.split_graph(split_dump)
         if factors is not None:
             split_model.dumps.factors(factors)
