@@ -219,7 +219,8 @@ def _keep_with_source(node: torch.fx.Node, piece_of: dict[torch.fx.Node, int]) -
 def dump_split_graph(split_gm: torch.fx.GraphModule, items: Sequence[SplitItem]) -> str:
     """A readable Python file: the split module, then every piece's code."""
     # graph_source, not .code: that compiles a lazy graph module's forward, holding the GIL.
-    parts = ["# tessera computation graph: the split module, then each piece.\n", _compat.graph_source(split_gm)]
+    header = "# tessera computation graph: the split module, then each piece.\n"
+    parts = [header, _compat.graph_source(split_gm)]
     for item in items:
         kind = "splitting (runs as is)" if item.is_splitting else "compiled"
         code = _compat.graph_source(item.graph)

@@ -182,6 +182,31 @@ def test_graph_source_is_the_code_without_compiling_the_lazy_graph():
     assert seen["source"] == seen["gm"].code  # compiled now (the call ran it): the same text
 
 
+def test_guard_timing_is_skipped_in_tesseras_traces_only(monkeypatch):
+    import torch._dynamo.guards as guards
+
+    with _compat.guard_profile_skipped():
+        stand_in = guards.profile_guard_manager
+    returned: list[Any] = []
+
+    def seen(*args: Any) -> Any:
+        returned.append(stand_in(*args))
+        return returned[-1]
+
+    monkeypatch.setattr(guards, "profile_guard_manager", seen)
+    x = torch.randn(3, 4)
+    with _compat.guard_profile_skipped():
+        out = torch.compile(two_inputs, backend="eager", fullgraph=True)(x, x, 5)
+    torch.testing.assert_close(out, two_inputs(x, x, 5))
+    assert returned == [0.0], "Dynamo times a trace's guards through the module's name"
+
+    def other(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    torch.testing.assert_close(torch.compile(other, backend="eager")(x), x * 3)
+    assert len(returned) == 2 and returned[1] > 0.0, "outside tessera's traces Dynamo's own timing runs"
+
+
 def test_fresh_inductor_cache_points_inductor_at_an_empty_directory(tmp_path):
     import os
 

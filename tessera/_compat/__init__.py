@@ -49,6 +49,7 @@ from tessera._compat.guards import (
     guard_code as guard_code,
     guard_fact as guard_fact,
     guard_globals as guard_globals,
+    guard_profile_skipped as guard_profile_skipped,
     input_dims as input_dims,
     local_source_name as local_source_name,
     placeholder_dims as placeholder_dims,
@@ -105,9 +106,8 @@ from tessera._compat.tensors import (
 
 log = logging.getLogger(__name__)
 
-# Dynamo installs the compiled graph as a global of the traced function's module under a name
-# with this prefix (convert_frame / output_graph); tessera finds those globals by it.
-# Checked on torch 2.11, 2.13: Dynamo's private naming, no public name exists.
+# Dynamo installs the compiled graph as a global of the traced function's module named with this
+# prefix; tessera finds those globals by it. Checked on torch 2.11, 2.13: private, no public name.
 COMPILED_FN_PREFIX = "__compiled_fn"
 
 
@@ -225,9 +225,10 @@ def single_trace_settings(
     through ``torch.compiler.config.dynamic_sources`` (torch >= 2.11; exact names, so escaped).
 
     Checked on torch 2.11, 2.13: patches private ``torch._dynamo.config`` and
-    ``torch.fx.experimental._config``; only ``dynamic_sources`` is public.
+    ``torch.fx.experimental._config``; only ``dynamic_sources`` is public. No guard timing.
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(guard_profile_skipped())  # the GIL held 25 ms for a metric
         stack.enter_context(dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
         # torch 2.11 takes nn.TransformerEncoderLayer's fused eval fast path while Dynamo traces,
         # and that kernel has no fake implementation (2.13 skips it when compiling). The traced

@@ -6,9 +6,13 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import re
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -213,3 +217,46 @@ def guard_globals(namespace: dict[str, Any]) -> dict[str, Any]:
     Checked on torch 2.11, 2.13: Dynamo's private guard expressions; no public guard evaluator.
     """
     return _GuardGlobals(namespace)
+
+
+_GUARD_PROFILE_SKIPPED = threading.local()  # per thread: inside tessera's own trace
+
+
+@contextlib.contextmanager
+def guard_profile_skipped() -> Iterator[None]:
+    """In this thread, until the block ends: Dynamo builds a trace's guards without timing them.
+
+    Reason: once a trace's guards are built, Dynamo times one evaluation of them for a metric
+    (``guard_latency_us``), and first evicts the CPU caches by writing a buffer larger than them,
+    all in one C++ call that holds the GIL (``profile_guard_manager``; 25 ms on the 2-core CPU).
+    A call served beside tessera's trace waited for all of it, then ran from caches emptied of the
+    model's weights. In tessera's traces the metric reads 0. Checked on torch 2.11, 2.13
+    (``torch._dynamo.guards.profile_guard_manager``, a name the module imports from C++).
+    """
+    _skip_guard_profile()
+    before = getattr(_GUARD_PROFILE_SKIPPED, "on", False)
+    _GUARD_PROFILE_SKIPPED.on = True
+    try:
+        yield
+    finally:
+        _GUARD_PROFILE_SKIPPED.on = before
+
+
+@functools.cache
+def _skip_guard_profile() -> None:
+    """Put a stand-in for ``profile_guard_manager`` into Dynamo's guards module: the original
+    everywhere but in a thread inside ``guard_profile_skipped``. Checked on torch 2.11, 2.13."""
+    import torch._dynamo.guards  # noqa: F401  (the module must be loaded to be patched)
+
+    module = sys.modules["torch._dynamo.guards"]
+    original = getattr(module, "profile_guard_manager", None)
+    if not callable(original):  # another torch: nothing to skip
+        return
+
+    @functools.wraps(original)
+    def profile_guard_manager(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_GUARD_PROFILE_SKIPPED, "on", False):
+            return 0.0
+        return original(*args, **kwargs)
+
+    module.profile_guard_manager = profile_guard_manager
