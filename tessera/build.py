@@ -91,6 +91,7 @@ def from_trace(
     matcher = SplitMatcher(specs)
     split_gm, items = split_graph(gm, matcher)
     replay_input_aliases(gm, split_gm)
+    _compat.compile_graph_now(split_gm)  # here in the background, not in the first served call
     if config.splitting_ops:
         for name in matcher.unmatched():
             warnings.warn(

@@ -44,3 +44,25 @@ def test_eager_noises_compiled_child_counts_its_calls(tmp_path: Path) -> None:
     assert result["impl"] == "tessera" and result["threads"] == 1
     took = result["took"]
     assert isinstance(took, list) and len(took) == result["calls"] > 0
+
+
+def test_gil_waits_reads_the_threads_of_a_dump_but_the_serving_and_the_waiting_ones() -> None:
+    from benchmarks.gil_waits import _threads, _where
+
+    dump = (
+        "Timeout (0:00:00.023000)!\n"
+        "Thread 0x00000000000000aa (most recent call first):\n"
+        '  File "/usr/lib/python3.11/site-packages/torch/fx/graph_module.py", line 143 in _exec_with_source\n'
+        '  File "/repo/tessera/cache/key.py", line 151 in graph_signature\n'
+        "\n"
+        "Thread 0x00000000000000bb (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n'
+        '  File "/repo/tessera/pacing.py", line 135 in give_way\n'
+        "\n"
+        "Thread 0x00000000000000cc (most recent call first):\n"
+        '  File "/repo/serve.py", line 9 in <module>\n'
+    )
+    threads = _threads(dump, main=0xCC)
+    held = ["torch/fx/graph_module.py:143 _exec_with_source", "tessera/cache/key.py:151 graph_signature"]
+    assert threads == [held], threads
+    assert _where(["ast.py:272 walk", *threads[0]]) == "torch/fx/graph_module.py:143 _exec_with_source"

@@ -32,6 +32,7 @@ from tessera._compat.bytecode import (
     module_for_bytecode as module_for_bytecode,
 )
 from tessera._compat.fx import (
+    compile_graph_now as compile_graph_now,
     graph_source as graph_source,
     isolate_compiling_flag as isolate_compiling_flag,
     isolate_fx_patches as isolate_fx_patches,
@@ -118,9 +119,7 @@ TESTED_TORCH = ((2, 11), (2, 15))
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version`` (default: the installed torch), ``2.15.0+cpu`` -> (2, 15).
-
-    Checked on torch 2.11, 2.13: reads the public ``torch.__version__`` only, nothing private.
-    """
+    Checked on torch 2.11, 2.13: reads the public ``torch.__version__`` only, nothing private."""
     match = re.match(r"^(\d+)\.(\d+)", version or torch.__version__)
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 

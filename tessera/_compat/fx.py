@@ -244,3 +244,16 @@ def graph_source(gm: torch.fx.GraphModule) -> str:
     ):
         return gm.code
     return gm.graph.python_code(root_module="self").src
+
+
+def compile_graph_now(gm: torch.fx.GraphModule) -> None:
+    """Compile a lazy graph module's ``forward`` now, in this thread, not at its first call.
+
+    Reason: a ``_LazyGraphModule`` (what Dynamo and ``split_module`` make of a lazy graph)
+    compiles its source at its first call, one GIL-holding ``compile()``; the split module's
+    first call is a served one. Made in the background thread that builds it, the served call
+    does not pay for it. Checked on torch 2.11, 2.13 (``_LazyGraphModule.force_recompile``).
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)

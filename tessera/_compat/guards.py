@@ -219,6 +219,7 @@ def guard_globals(namespace: dict[str, Any]) -> dict[str, Any]:
     return _GuardGlobals(namespace)
 
 
+# Checked on torch 2.11, 2.13: tessera's own per-thread flag, read by the stand-in below.
 _GUARD_PROFILE_SKIPPED = threading.local()  # per thread: inside tessera's own trace
 
 
@@ -259,4 +260,4 @@ def _skip_guard_profile() -> None:
             return 0.0
         return original(*args, **kwargs)
 
-    module.profile_guard_manager = profile_guard_manager
+    setattr(module, "profile_guard_manager", profile_guard_manager)  # noqa: B010  (a name only some torch has)
