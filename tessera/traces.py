@@ -109,6 +109,9 @@ class Traces(SavedTraces):
         self.held: list[TraceEntry] = []
         self._numbered = 0  # the last number given to an entry (entries are numbered as made)
         self.last: TraceEntry | None = None
+        # The entry just made, and the thread that made it: that thread installs it (builds its
+        # check, reports the first trace); a call that finds it meanwhile only runs it.
+        self._fresh: tuple[TraceEntry, int] | None = None
         self.plan = TracePlan()
         self.soft_dims = False  # set by presets (tessera.hf): suggested dims, "maybe dynamic"
         self.mark_nested: Callable[[dict[str, Any]], None] | None = None
@@ -343,8 +346,12 @@ class Traces(SavedTraces):
             mutated=mutated,
             timed=(wall, seconds),
         )
-        self.entries = (*self.entries, entry)
-        self._serving(entry)
+        self._fresh = (entry, threading.get_ident())
+        try:
+            self.entries = (*self.entries, entry)
+            self._serving(entry)
+        finally:
+            self._fresh = None
         if len(self.entries) > 1:
             self._say(
                 f"{model.name}: trace {entry.number} of at most {self.config.max_traces}, because {reason}"
@@ -447,6 +454,12 @@ class Traces(SavedTraces):
         return ([last] if last is not None else []) + rest
 
     def _serving(self, entry: TraceEntry) -> None:
+        fresh = self._fresh
+        if fresh is not None and fresh[0] is entry and fresh[1] != threading.get_ident():
+            # Made beside eager, and not yet installed by its trace's thread (which may be paced
+            # at this very call, waiting for the call that found it): the call runs it, and the
+            # check's build and the first trace's report stay off the served call.
+            return
         if entry is not self.last:
             self.last = entry
             self._install(entry)

@@ -131,6 +131,34 @@ def test_calls_while_the_trace_is_made_are_served_eagerly_and_a_later_miss_is_tr
     assert int(model.calls) == model.steps == 7
 
 
+def test_a_call_that_finds_a_trace_its_thread_has_not_installed_runs_it_and_leaves_the_install():
+    # The trace thread, paced, waits at its next Python call while a call is served: a call that
+    # finds the new entry before that thread installs it must not build the check and report the
+    # first trace itself (its latency), only run the entry (traces.py, ``_fresh``).
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).requires_grad_(False)
+    compiled = tessera.compile(model, backend="eager")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.wait_ready(60)
+    traces = compiled._traces
+    assert traces is not None and traces.last is not None
+    entry, installed = traces.last, []
+    traces._install = installed.append
+    traces.last = None  # as just made, not yet installed
+    other = threading.Thread(target=lambda: None)
+    other.start()
+    other.join()
+    traces._fresh = (entry, other.ident)  # made by another thread, which installs it
+    try:
+        traces._serving(entry)  # a served call that found it
+        assert installed == [] and traces.last is None
+        torch.testing.assert_close(compiled(torch.randn(5, 8)).shape, torch.Size([5, 8]))
+    finally:
+        traces._fresh = None
+    traces._serving(entry)  # by the thread that made it (or with no entry in the making)
+    assert installed == [entry] and traces.last is entry
+
+
 def test_grad_enabled_calls_are_served_under_the_grad_policy_while_eager():
     model = Counting()  # parameters require grad, as made
     compiled = tessera.compile(model, backend="eager")
