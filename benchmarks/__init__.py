@@ -7,13 +7,26 @@ package existed name the old form, ``python benchmarks/<name>.py``: the same ben
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = str(Path(__file__).resolve().parents[1])
+
+
+@contextlib.contextmanager
+def cold_caches() -> Iterator[Path]:
+    """This process's tessera and Inductor caches in a fresh temporary directory (yielded): a cold
+    start, for a diagnosis that runs in its own process (gil_holders, gil_waits)."""
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TESSERA_CACHE_DIR"] = str(Path(cache) / "tessera")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")
+        yield Path(cache)
 
 
 def as_installed() -> None:

@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from benchmarks import header
+from benchmarks import cold_caches, header
 
 # C calls that wait with the GIL released: long, but they hold nothing a served call needs.
 RELEASING = {"acquire", "get", "read", "readinto", "sleep", "poll", "select", "wait", "waitpid", "recv"}
@@ -92,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as cache:  # a cold start: caches of its own
-        os.environ["TESSERA_CACHE_DIR"] = str(Path(cache) / "tessera")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")
+    with cold_caches():  # a cold start: caches of its own
         result = run(args.model, args.seconds, args.min_ms / 1e3)
     print(json.dumps({**header("gil_holders"), **result}, indent=1))
     return 0

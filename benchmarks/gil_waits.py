@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import header
+from benchmarks import cold_caches, header
 
 _FRAME = re.compile(r'\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
 
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as cache:  # a cold start: caches of its own
-        os.environ["TESSERA_CACHE_DIR"] = str(Path(cache) / "tessera")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "inductor")
+    with cold_caches():  # a cold start: caches of its own
         result = run(args.model, args.seconds, args.late_ms / 1e3)
     print(json.dumps({**header("gil_waits"), **result}, indent=1))
     return 0
