@@ -257,4 +257,6 @@ def compile_graph_now(gm: torch.fx.GraphModule) -> None:
     """
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    _LazyGraphModule.force_recompile(gm)
+    force = getattr(_LazyGraphModule, "force_recompile", None)
+    if force is not None:  # another torch: the first call compiles it, as torch does by default
+        force(gm)
