@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera import counters, hooks, validation
+from tessera.acyclic import weakly
 from tessera.beside import Beside, eager_first
 from tessera.cache.root import nothing_saved
 from tessera.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
+from tessera.heap import HEAP
 from tessera.lifecycle import Lifecycle, Stage
 from tessera.model_view import ModelView
 from tessera.pacing import PACER
@@ -85,10 +87,10 @@ class CompiledModel(ModelView):
         prefix: str | None,
         on_compiled: Callable[[CompileReport], Any] | None = None,
     ) -> None:
-        self.model = model
-        self._on_compiled = on_compiled
+        self.model, self._on_compiled, self.prefix = model, on_compiled, prefix
+        if config.freeze_heap:  # the parts' cycles, once a freeze reaches them (heap.py); not at exit
+            weakref.finalize(self, HEAP.dropped, HEAP.freezes, self.__dict__).atexit = False
         self.compile_config = config  # tessera's; `.config` reads the model's (a diffusers pipeline does)
-        self.prefix = prefix
         self._func, self._bound_to = split_callable(model)
         self._module = model if isinstance(model, torch.nn.Module) else None
         # What the traced frame calls: the forward itself, so root hooks stay ours to run.
@@ -98,7 +100,7 @@ class CompiledModel(ModelView):
         # Re-entrant: a call that waited for the first call's compile is served under the lock,
         # and may need a trace of its own, which takes it again.
         self._lock = threading.RLock()
-        self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+        self._life = Lifecycle(Stage.UNBUILT, weakly(self._first_call))
         self.first_call_seconds: float | None = None
         self.warm_start: bool | None = None  # True: every trace the first call needed was loaded
         self.startup_phases: dict[str, float] = {}  # seconds per phase of the first call
@@ -267,9 +269,7 @@ class CompiledModel(ModelView):
         self._counters = counter_delta(self._counted_from, counters.snapshot())
         report = self._make_report()
         log.info("%s", report.summary())  # one line per model: cold or warm, cost, where
-        ref = weakref.ref(self)
-        later = lambda: None if (model := ref()) is None else model._make_report()  # noqa: E731
-        publish(report, self.cache_dir, later, self._on_compiled)
+        publish(report, self.cache_dir, weakly(self._make_report), self._on_compiled)
 
     def _move(self, **changes: Any) -> None:
         """The next lifecycle record: this one with ``changes``, swapped in whole."""
@@ -324,7 +324,7 @@ class CompiledModel(ModelView):
             return self._start_guarded(args, kwargs, values, str(e))
         if not traces.entries and traces.beside is not None:  # served eagerly: traced beside
             self._served_eagerly = True
-            return output, hooks.around(self._module, self._eager_stage)
+            return output, hooks.around(self._module, weakly(self._eager_stage))
         self._first_traced(traces)
         return output, None
 
@@ -342,8 +342,8 @@ class CompiledModel(ModelView):
     def _new_beside(self, trace: Tracer) -> Beside:
         config = self.compile_config
         beside = Beside(self.name, self._target, trace, config.background_priority, config.freeze_heap)
-        beside.on_failure = self._trace_beside_failed
-        beside.at_exit = self.wait_ready
+        beside.on_failure, beside.at_exit = weakly(self._trace_beside_failed), weakly(self.wait_ready)
+        beside.owner = weakref.ref(self)
         return beside
 
     def _serve_cold(
@@ -352,13 +352,13 @@ class CompiledModel(ModelView):
         """A cold first call: eager's output at once, the traces made (and imported: 50 ms on a
         2-core CPU) by the trace thread beside it (``_first_beside``). None: the call cannot be
         traced in another thread; the usual path traces it here."""
-        beside = self._beside = self._new_beside(self._first_beside)
+        beside = self._beside = self._new_beside(weakly(self._first_beside))
         served = beside.serve(args, kwargs, "the first call", [])
         if served is None:
             self._beside = None
             return None
         self._served_eagerly = True
-        return served[0], hooks.around(self._module, self._eager_stage)
+        return served[0], hooks.around(self._module, weakly(self._eager_stage))
 
     def _first_beside(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
@@ -374,7 +374,7 @@ class CompiledModel(ModelView):
             log.debug("%s: the traces could not be made beside eager (%s)", self.name, first_line(e))
             with self._lock:  # after the first call's own lifecycle moves
                 self._cold_failed = True  # the next call takes the usual path, and raises it
-                self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+                self._life = Lifecycle(Stage.UNBUILT, weakly(self._first_call))
             return
         traces.soft_dims, traces.mark_nested = self._soft_dims, self._mark_nested
         traces.beside = beside
@@ -423,7 +423,7 @@ class CompiledModel(ModelView):
     def _guarded_next(self, reason: str) -> None:
         """Graph breaks: the next call starts again, on the guarded path (as a first call would)."""
         self._guarded_reason = reason
-        self._life = Lifecycle(Stage.UNBUILT, self._first_call)
+        self._life = Lifecycle(Stage.UNBUILT, weakly(self._first_call))
 
     def _owner(self) -> Any:
         return self._module if self._module is not None else self._bound_to
@@ -451,7 +451,8 @@ class CompiledModel(ModelView):
             self.signature,
             self._owner(),
         )
-        return Traces(model, config, context, self._dynamic_dims, self._install, self._lock)
+        # Weakly: a cycle back to this model would keep it after the service drops it (acyclic.py).
+        return Traces(model, config, context, self._dynamic_dims, weakly(self._install), self._lock)
 
     def _install(self, entry: TraceEntry) -> None:
         """Every later call: root hooks as in eager, ``entry``'s check, then its forward; a call

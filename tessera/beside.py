@@ -109,6 +109,9 @@ class Beside:
         self.eager_calls = 0
         self.eager_span = (0.0, 0.0)  # wall clock: the first eager call's start, the last one's end
         self.at_exit: Callable[[], Any] | None = None  # waits for the compiles the traces started
+        # The compiled model, weakly (acyclic.py): held by the trace thread while it runs, so that
+        # a model dropped meanwhile (a function's local) still leaves its traces in the cache.
+        self.owner: Callable[[], Any] = lambda: None
         self._missed: list[tuple[Call, CallerState]] = []  # calls kept while a trace is in flight
         self._kept = 0  # the tensor bytes of their copies
         # uncovered(call): why no trace covers it, (reason, mismatches), or None (traces.py).
@@ -183,11 +186,10 @@ class Beside:
                     return
         from tessera.background import start_thread  # off `import tessera`
 
-        start_thread(
-            f"tessera-trace-{self.name}", self._run, job, priority=self.priority, freeze_heap=self.freeze_heap
-        )
+        name, owner = f"tessera-trace-{self.name}", self.owner()
+        start_thread(name, self._run, job, owner, priority=self.priority, freeze_heap=self.freeze_heap)
 
-    def _run(self, job: Job | None) -> None:
+    def _run(self, job: Job | None, owner: Any) -> None:  # owner: held while the thread runs
         # The compiles the traces start wait until the last call kept meanwhile is traced: each
         # trace lets calls of its shape leave eager serving; a compile only speeds up a trace that
         # the next one may widen and hold back (compile_state.py).

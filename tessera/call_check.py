@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tessera import _compat
+from tessera.acyclic import define
 from tessera.assumption import Assumption, Kind, Mismatch
 from tessera.errors import TesseraError
 from tessera.layout import layout_of
@@ -393,8 +394,7 @@ def make_checked_call(
         "    return _slow(args, kwargs)\n"
     )
     namespace = {**_check_namespace(spec, bound), "_call": call, "_slow": slow}
-    exec(compile(source, "<tessera call check>", "exec"), namespace)  # our own generated source
-    return namespace["checked"]  # type: ignore[no-any-return]
+    return define(source, "<tessera call check>", namespace, "checked")  # our own generated source
 
 
 def make_predicate(
@@ -408,9 +408,7 @@ def make_predicate(
         "    except Exception:\n"
         "        return False\n"
     )
-    namespace = _check_namespace(spec, bound)
-    exec(compile(source, "<tessera call check>", "exec"), namespace)  # our own generated source
-    return namespace["accepts"]  # type: ignore[no-any-return]
+    return define(source, "<tessera call check>", _check_namespace(spec, bound), "accepts")
 
 
 def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:
@@ -423,9 +421,7 @@ def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tup
         + "".join(f"    try:\n        out.append({e})\n    except Exception:\n        pass\n" for e in exprs)
         + "    return tuple(out)\n"
     )
-    namespace: dict[str, Any] = {**bound, "_key": _key}
-    exec(compile(source, "<tessera tensors read>", "exec"), namespace)  # our own generated source
-    return namespace["tensors"]  # type: ignore[no-any-return]
+    return define(source, "<tessera tensors read>", {**bound, "_key": _key}, "tensors")
 
 
 def explain_state(expected: Sequence[Any], found: Sequence[Any]) -> str:

@@ -207,24 +207,33 @@ def trace_once(
 
     writes: list[bool] = []
     not_at_one: set[str] = set()
+    # Reason: torch 2.13-2.15 never free the callback of a compile whose guard filter raised
+    # (NotRun, TraceAgain: a reference held in C), nor what the two functions given to
+    # torch.compile reach. They reach it through ``live``, emptied after the trace, so the callback
+    # keeps them alone, not the backend, the guards read and the model behind them.
+    live: dict[str, Any] = {"backend": backend, "on_guards": on_guards, "symbolic": symbolic, "read": read}
+    live.update(failed=failed, writes=writes, not_at_one=not_at_one)
 
     def inputs_then_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        symbolic.update(_compat.placeholder_dims(gm))
-        writes.append(graph_writes_in_place(gm))
-        not_at_one.update(size_one_symbols(gm))
+        live["symbolic"].update(_compat.placeholder_dims(gm))
+        live["writes"].append(graph_writes_in_place(gm))
+        live["not_at_one"].update(size_one_symbols(gm))
         with _compat.compile_guards_ignored(example_inputs):
-            return backend(gm, example_inputs)
+            return live["backend"](gm, example_inputs)
 
     def drop_guards(entries: list[Any]) -> list[bool]:
         # Every guard is dropped; on_guards turns them into tessera's call check first.
         try:
             facts = [_compat.guard_fact(e) for e in entries]
-            read.append(on_guards(facts, symbolic, any(writes), frozenset(not_at_one)))
+            writes_any, at_one = any(live["writes"]), frozenset(live["not_at_one"])
+            live["read"].append(live["on_guards"](facts, live["symbolic"], writes_any, at_one))
         except TraceAgain:
+            _compat.guard_build_abandoned()
             raise  # before the frame runs: the call's side effects happen once, in the next trace
         except Exception as e:  # raised after the trace: Dynamo would bury it in its own error
-            failed.append(e)
+            live["failed"].append(e)
         if not run:
+            _compat.guard_build_abandoned()
             raise NotRun  # Dynamo builds the guards after its bytecode hooks: the code is captured
         return [False] * len(entries)
 
@@ -269,6 +278,7 @@ def trace_once(
             raise inner from inner.__cause__
         raise
     finally:
+        live.clear()
         handle.remove()
         # Our entry has no guards: left in place it would serve any later call of this frame.
         _compat.reset_code(code)
@@ -339,7 +349,10 @@ def _traced_call(compiled: Callable[..., Any], target: Callable[..., Any], args:
                 break
             cause = cause.__cause__ or cause.__context__
         if isinstance(cause, (TraceAgain, NotRun)):
-            raise cause from None
+            try:
+                raise cause from None
+            finally:  # this frame, in the traceback, holding the error: a cycle (acyclic.py)
+                cause = None
         raise
 
 

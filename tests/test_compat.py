@@ -207,6 +207,36 @@ def test_guard_timing_is_skipped_in_tesseras_traces_only(monkeypatch):
     assert len(returned) == 2 and returned[1] > 0.0, "outside tessera's traces Dynamo's own timing runs"
 
 
+@pytest.mark.parametrize("abandoned", [True, False])
+def test_a_guard_filter_that_raises_leaves_the_model_free_once_the_build_is_abandoned(abandoned):
+    import gc
+    import weakref
+
+    class Stop(Exception):
+        pass
+
+    model = torch.nn.Linear(4, 4).requires_grad_(False)
+    ref = weakref.ref(model)
+
+    def forward(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) * 2
+
+    def refuse(entries: list[Any]) -> list[bool]:
+        if abandoned:
+            _compat.guard_build_abandoned()
+        raise Stop
+
+    compiled = torch.compile(forward, backend="eager", fullgraph=True, options={"guard_filter_fn": refuse})
+    with pytest.raises(Exception) as raised:
+        compiled(model, torch.randn(2, 4))
+    assert Stop in {type(raised.value), type(raised.value.__cause__), type(raised.value.__context__)}
+    del model, compiled, raised
+    torch._dynamo.reset()
+    gc.collect()
+    # Without it, Dynamo's finalizer on the guarded model holds the guard builder, and that the model.
+    assert (ref() is None) is abandoned
+
+
 def test_fresh_inductor_cache_points_inductor_at_an_empty_directory(tmp_path):
     import os
 

@@ -168,6 +168,56 @@ def test_a_model_holds_full_collections_off_while_it_traces_and_compiles(monkeyp
     torch.testing.assert_close(compiled(*args), model(*args))
 
 
+def _served_until_ready(model: torch.nn.Module, **config: object) -> tessera.CompiledModel:
+    compiled = tessera.compile(model, **config)
+    stream_until_ready(compiled, model)
+    _join_background()
+    return compiled
+
+
+def _alive(refs: dict[str, weakref.ref]) -> list[str]:
+    """Which of ``refs`` live on, the collector off while they are read."""
+    gc.disable()  # enabled again by _nothing_held
+    return [name for name, ref in refs.items() if ref() is not None]
+
+
+def test_a_dropped_model_goes_with_its_last_reference_though_the_background_froze_the_heap(monkeypatch):
+    # Eager first ends its trace before the frame runs, from Dynamo's guard filter: the guard
+    # builder and the compile's callback kept what the trace reached (_compat.guard_build_abandoned);
+    # the model's parts refer to each other, and the freeze reached those cycles (heap.dropped).
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    model = toy_llama.build(num_layers=1)
+    compiled = _served_until_ready(model, backend="eager")
+    assert HEAP.freezes > 0
+    refs = {"the model": weakref.ref(model), "the compiled model": weakref.ref(compiled)}
+    del model, compiled
+    assert _alive(refs) == []
+
+
+def test_a_model_dropped_while_another_compiles_goes_when_the_heap_freezes_again(monkeypatch):
+    monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
+    first = toy_llama.build(num_layers=1)
+    served = _served_until_ready(first, backend="eager")
+    refs = {"the model": weakref.ref(first), "the compiled model": weakref.ref(served)}
+    BlockingCompiler.release = threading.Event()
+    second = toy_llama.build(num_layers=1)
+    compiled = tessera.compile(second, backend=BLOCKING)
+    try:
+        for n in (5, 7):  # eagerly while the trace is made, then as traced while the compile waits
+            torch.testing.assert_close(
+                compiled(*toy_llama.example_inputs(n)), second(*toy_llama.example_inputs(n))
+            )
+            assert compiled.wait_traced(60)
+        del first, served  # while the compile holds collections off: the heap is walked at its end
+        assert _alive(refs) == ["the model"]
+        gc.enable()
+    finally:
+        BlockingCompiler.release.set()
+    assert compiled.wait_ready(60)
+    _join_background()
+    assert _alive(refs) == []
+
+
 def test_freeze_heap_reads_the_environment_and_is_checked(monkeypatch):
     monkeypatch.setenv("TESSERA_FREEZE_HEAP", "0")
     assert tessera.CompileConfig().freeze_heap is False
@@ -194,3 +244,6 @@ def test_inductor_defaults_run_no_full_collection_while_compiling_and_equal_eage
         args = toy_llama.example_inputs(n)
         torch.testing.assert_close(compiled(*args), model(*args), msg=f"{n} tokens, ready")
     assert gc.get_freeze_count() > frozen
+    refs = {"the model": weakref.ref(model), "the compiled model": weakref.ref(compiled)}
+    del model, compiled
+    assert _alive(refs) == []

@@ -47,6 +47,7 @@ from tessera._compat.guards import (
     call_state as call_state,
     dynamo_source_name as dynamo_source_name,
     function_mode_depth as function_mode_depth,
+    guard_build_abandoned as guard_build_abandoned,
     guard_code as guard_code,
     guard_fact as guard_fact,
     guard_globals as guard_globals,

@@ -13,6 +13,7 @@ import logging
 import re
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -261,3 +262,27 @@ def _skip_guard_profile() -> None:
         return original(*args, **kwargs)
 
     setattr(module, "profile_guard_manager", profile_guard_manager)  # noqa: B010  (a name only some torch has)
+
+
+def guard_build_abandoned() -> None:
+    """Called by a guard filter about to raise (tessera ends a trace there, before its frame runs):
+    Dynamo's guard builder lets go of the traced frame as its ``__init__`` would have at its end.
+
+    Reason: ``CheckFunctionManager`` registers a ``weakref.finalize`` on each object it guards by
+    identity (the model, its bound forward), whose callback holds the manager, and the manager
+    holds the traced frame's locals (``output_graph``) until the end of its ``__init__``, which a
+    raising filter never reaches: the model could then never be freed.
+
+    Checked on torch 2.13, 2.15: ``CheckFunctionManager`` (private; ``_weakrefs``,
+    ``output_graph``) calls the filter from its own ``__init__``. Another torch: nothing found,
+    nothing done."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        manager = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+        if isinstance(manager, CheckFunctionManager):
+            getattr(manager, "_weakrefs", {}).clear()
+            manager.output_graph = None
+            return
+        frame = frame.f_back
