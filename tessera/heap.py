@@ -23,11 +23,12 @@ Llama; 84,000 of 11 MB on tiny BERT; no tensor storage in either; it grows with 
 whatever was alive at the freeze is freed by reference counting only, not by the cyclic collector.
 A compiled model the process drops later (a model it swaps out) goes by reference counting
 (acyclic.py), and its parts' cycles by one walk of the frozen heap then (``dropped``). A young
-collection first frees the garbage still young. Each window (the first trace and compile, a size learnt later) keeps its own, once. A
-full collection afterwards walks only what was allocated since. The setting is the process's: the
-heap is one, so a model with ``CompileConfig.freeze_heap=False`` only starts no window of its own,
-and every model of a process must set it for CPython's collections to run as they are, pauses and
-all. vLLM freezes its heap after start-up for the same reason.
+collection first frees the garbage still young. Each window (the first trace and compile, a size
+learnt later) keeps its own, once. A full collection afterwards walks only what was allocated
+since. The setting is the process's: the heap is one, so a model with
+``CompileConfig.freeze_heap=False`` only starts no window of its own, and every model of a process
+must set it for CPython's collections to run as they are, pauses and all. vLLM freezes its heap
+after start-up for the same reason.
 """
 
 from __future__ import annotations
