@@ -16,8 +16,12 @@ from tessera.heap import HEAP
 from tessera.pacing import PACER
 from tessera.priority import lower_thread
 
+# The threads a background thread started once the interpreter had begun to exit: its own to join.
+_LATE = threading.local()
+
 
 def _paced(priority: str, compiles: bool, freeze_heap: bool, fn: Callable[..., None], *args: Any) -> None:
+    _LATE.threads = []
     try:
         lower_thread(priority)
         # At "normal" priority nothing gives way on the cores: the served calls keep every thread.
@@ -25,6 +29,8 @@ def _paced(priority: str, compiles: bool, freeze_heap: bool, fn: Callable[..., N
         with PACER.paced(counted=True), compiling:
             fn(*args)
     finally:
+        for late in _LATE.threads:  # the exit's hook joins this thread, so these end first too
+            late.join()
         if freeze_heap:  # held by start_thread
             HEAP.release()
 
@@ -65,5 +71,8 @@ def start_thread(
         if freeze_heap:
             HEAP.release()
         raise
-    _compat.join_before_pools_shut(thread)
+    if not _compat.join_before_pools_shut(thread):
+        # Started by a background thread after the exit's hooks began (a compile a trace or a
+        # compile starts then): too late for a hook of its own, so its starter joins it.
+        getattr(_LATE, "threads", []).append(thread)
     return thread

@@ -197,6 +197,7 @@ class Background:
                 "or pieces as traced) keeps serving every size",
                 owner.prefix,
                 self.failure,
+                exc_info=log.isEnabledFor(logging.DEBUG),  # the traceback, for a bug report
             )
         finally:
             owner.phases.setdefault("background_compile", time.perf_counter() - start)

@@ -298,3 +298,33 @@ def test_the_background_compiles_under_the_traced_calls_state_not_the_threads(gr
     for state in recorder.seen:
         assert state["grad"] is False and state["autocast"] == torch.bfloat16, state
         assert state["default_dtype"] == torch.float32 and state["setting"] == "the user's", state
+
+
+def test_a_thread_a_background_thread_starts_while_the_interpreter_exits_still_uses_the_pools():
+    # A compile started by a trace (or a compile) once the exit's hooks run is too late for a hook
+    # of its own: its starter joins it, and the exit's hook joins the starter before the pools shut.
+    script = """
+import concurrent.futures, threading
+from tessera.background import start_thread
+gate = threading.Event()
+def late():
+    import concurrent.futures.thread, time
+    # Up to 2 s for the exit to shut the pools (which it must not, before this thread ends).
+    deadline = time.monotonic() + 2
+    while not concurrent.futures.thread._shutdown and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        print("pool says", pool.submit(lambda: 6 * 7).result(), flush=True)
+def first():
+    gate.wait()  # the exit's hooks have begun: the main thread has ended
+    start_thread("late", late, priority="normal", freeze_heap=False)
+start_thread("first", first, priority="normal", freeze_heap=False)
+threading._register_atexit(gate.set)
+"""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0 and "pool says 42" in proc.stdout, proc.stderr[-2000:]

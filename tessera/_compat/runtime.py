@@ -6,7 +6,6 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -93,8 +92,9 @@ def trace_artifact(name: str, payload: Callable[[], str], in_compile: bool = Tru
     )
 
 
-def join_before_pools_shut(thread: threading.Thread) -> None:
-    """Have the interpreter's exit wait for ``thread`` before thread and process pools refuse work.
+def join_before_pools_shut(thread: threading.Thread) -> bool:
+    """Have the interpreter's exit wait for ``thread`` before thread and process pools refuse work;
+    False when the exit's hooks already run (too late to add one: the caller must see to it).
 
     Reason: at exit, ``threading._shutdown`` runs its exit hooks before it joins non-daemon threads,
     and ``concurrent.futures``'s hook makes every pool refuse new work ("cannot schedule new futures
@@ -111,9 +111,12 @@ def join_before_pools_shut(thread: threading.Thread) -> None:
 
     register = getattr(threading, "_register_atexit", None)
     if register is None:
-        return
-    with contextlib.suppress(RuntimeError):  # already shutting down: nothing left to order
+        return True  # nothing this interpreter lets us order
+    try:
         register(thread.join)
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return False
+    return True
 
 
 def interpreter_exiting() -> bool:
