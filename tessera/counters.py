@@ -33,6 +33,9 @@ NAMES = (
     "remote_writes",
     "remote_bytes_read",
     "remote_bytes_written",
+    # Milliseconds lost to a failing store (attempts that failed, pauses between them): at most
+    # the tier's budget, TESSERA_REMOTE_TIMEOUT_SECONDS, for the life of the process.
+    "remote_fault_ms",
     # Fallbacks (report.Fallback): a piece artifact the index vouched for but that could not serve
     # (damaged, untrusted) was obtained again; a whole-model artifact was found but not used.
     "artifact_fallbacks",

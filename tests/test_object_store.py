@@ -335,8 +335,12 @@ def test_a_fleet_whose_store_is_down_from_the_start(tmp_path, s3_server):
     results = results_in(out)
     assert len(results) == 3 and all(r["matched"] for r in results)
     assert [text.count("CacheWarning:") for text in texts] == [1, 1, 1], texts[0][-2000:]
-    # The first call: a trace, two eager compiles and the store's budget, spent once.
-    assert all(r["call_seconds"] <= timeout + 10 for r in results), [r["call_seconds"] for r in results]
+    # The store's budget, spent once however many requests failed: counted (the time lost to the
+    # store), since the first call's wall time is mostly a trace and compiles, which a busy machine
+    # stretches (12 s once in CI, for 2 s of budget). The wall bound is a guard against a hang.
+    lost = [r["counters"].get("remote_fault_ms", 0) for r in results]
+    assert all(0 < ms <= timeout * 1000 + 500 for ms in lost), lost
+    assert all(r["call_seconds"] <= timeout + 60 for r in results), [r["call_seconds"] for r in results]
     assert all(r["counters"]["eager_compiles"] > 0 for r in results)
 
 

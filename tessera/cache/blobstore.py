@@ -299,5 +299,8 @@ class FaultBudget:
             began[0] = time.monotonic()
             raise
         finally:
+            lost = began[0] - start
             with self._spending:  # blobs are fetched several at once (download.py)
-                self.spent += began[0] - start
+                self.spent += lost
+            if lost > 0:
+                counters.bump("remote_fault_ms", round(lost * 1000))
