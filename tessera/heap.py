@@ -143,9 +143,12 @@ class Heap:
 
     def after_fork(self) -> None:
         """In a forked child: the threads that held are the parent's, and will never release here.
-        The child starts with nothing held, and its threshold back."""
+        The child starts with nothing held, no walk in progress (a parent's thread that walked is
+        not in the child), and its threshold back. A walk the parent owed (``_collect_frozen``) is
+        owed here too: the dropped model's parts are in the child's frozen heap as well."""
         self._lock = threading.Lock()
         self._holders = 0
+        self._walking = False
         previous, self._threshold = self._threshold, None
         current = gc.get_threshold()
         if previous is not None and current[2:] == (_NEVER,):

@@ -122,14 +122,17 @@ def test_thresholds_the_user_set_meanwhile_are_theirs_and_a_disabled_collector_i
     assert gc.get_threshold() == before and len(kept) == 1000
 
 
-def test_a_forked_child_starts_with_nothing_held():
+def test_a_forked_child_starts_with_nothing_held_and_owes_the_walk_its_parent_owed():
     HEAP.hold()
+    HEAP._walking = HEAP._collect_frozen = True  # a parent's thread walking; a drop while held
     try:
         pid = os.fork()
-        if pid == 0:  # the child: the holding thread is the parent's
-            os._exit(0 if HEAP._holders == 0 and gc.get_threshold()[2] < 10**6 else 1)
+        if pid == 0:  # the child: the holding thread is the parent's, and so is the walk
+            clear = HEAP._holders == 0 and not HEAP._walking and HEAP._collect_frozen
+            os._exit(0 if clear and gc.get_threshold()[2] < 10**6 else 1)
         _, status = os.waitpid(pid, 0)
     finally:
+        HEAP._walking = HEAP._collect_frozen = False
         HEAP.release()
     assert os.waitstatus_to_exitcode(status) == 0
 
