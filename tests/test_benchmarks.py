@@ -66,3 +66,10 @@ def test_gil_waits_reads_the_threads_of_a_dump_but_the_serving_and_the_waiting_o
     held = ["torch/fx/graph_module.py:143 _exec_with_source", "tessera/cache/key.py:151 graph_signature"]
     assert threads == [held], threads
     assert _where(["ast.py:272 walk", *threads[0]]) == "torch/fx/graph_module.py:143 _exec_with_source"
+
+
+def test_drop_costs_tessera_child_frees_the_model_it_drops(tmp_path: Path) -> None:
+    result = _child(tmp_path, "benchmarks.drop_cost", "--child", "tessera", "--layers", "1")
+    assert result["freed"] is True, result  # by reference counting and the one walk, no gc.collect()
+    assert isinstance(result["frozen_objects"], int) and result["frozen_objects"] > 0  # the heap froze
+    assert isinstance(result["drop_s"], float) and result["drop_s"] >= 0
