@@ -13,14 +13,7 @@ import torch
 from tessera import _compat
 from tessera.compile_jobs import example_inputs
 from tessera.inductor_compiler import InductorCompiler
-from tessera.symbolic_inputs import (
-    SymbolicInputs,
-    SymbolicInt,
-    SymbolicTensor,
-    SymbolSpec,
-    describe,
-    rebuild,
-)
+from tessera.symbolic_inputs import SymbolicInputs, SymbolicInt, SymbolSpec, describe, rebuild
 
 
 def _traced(
@@ -101,37 +94,6 @@ def test_a_symbol_is_never_made_narrower_than_the_trace_had_it():
     spec = SymbolicInputs((SymbolSpec("s0", 3, None, None),), (SymbolicInt(_symbol("s0")),))
     with pytest.raises(ValueError, match="cannot be made again"):
         rebuild(spec, gm)
-
-
-class _WithConstants(torch.nn.Module):
-    """A graph with tensor constants, as a traced DynamicCache leaves one: an empty tensor the first
-    step concatenates onto, and a position added to a size."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.empty = torch.zeros(0, 4)  # plain attributes: the graph's _tensor_constant<n>
-        self.start = torch.tensor([2])
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat([self.empty, x]) * 2, self.start + x.shape[0]
-
-
-@pytest.mark.inductor
-def test_a_graphs_tensor_constants_are_made_fake_and_its_general_compile_serves_every_size(tmp_path):
-    gm = torch.fx.symbolic_trace(_WithConstants())
-    assert sum(n.op == "get_attr" for n in gm.graph.nodes) == 2
-    rows = SymbolicTensor((_symbol("s0"), 4), (4, 1), torch.float32, "cpu", False)
-    spec = pickle.loads(pickle.dumps(SymbolicInputs((SymbolSpec("s0", 3, 2, None),), (rows,))))
-    made = rebuild(spec, gm)  # the worker's step that refused real constants beside fake inputs
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    cat = out.args[0][0].meta["example_value"]
-    assert isinstance(cat.shape[0], torch.SymInt) and cat.shape[1] == 4
-    compiler = InductorCompiler()
-    compiler.initialize_cache(tmp_path)
-    fn, _ = compiler.compile(gm, made, _config(), None, "piece")
-    for n in (3, 5, 17):
-        x = torch.randn(n, 4)
-        torch.testing.assert_close(tuple(fn(x)), tuple(gm(x)), msg=f"{n} rows")
 
 
 def _plus_one(n: Any) -> Any:

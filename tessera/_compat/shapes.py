@@ -102,23 +102,9 @@ class SymbolMaker:
         Checked on torch 2.11, 2.13: ``torch.fx.passes.fake_tensor_prop.FakeTensorProp`` (not
         marked backward compatible) and the meta keys Dynamo and ``standalone_compile`` use; no
         public way to give a graph its fake values."""
-        from torch._subclasses.fake_tensor import FakeTensor
         from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-        mode = self.mode
-
-        class Propagation(FakeTensorProp):
-            # Reason: a graph's tensor constants (``_tensor_constant0``: the empty tensor a
-            # DynamicCache starts from, a cache position) arrive real, and FakeTensorMode refuses
-            # an op mixing real and fake tensors; Dynamo's graph carried them as fake values of its
-            # own. Made fake here, with their real sizes (a constant is never symbolic).
-            def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-                value = super().get_attr(target, args, kwargs)
-                if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
-                    return mode.from_tensor(value, static_shapes=True)
-                return value
-
-        Propagation(graph, mode).propagate_dont_convert_inputs(*inputs)
+        FakeTensorProp(graph, self.mode).propagate_dont_convert_inputs(*inputs)
         for node in graph.graph.nodes:
             if "val" in node.meta:
                 node.meta["example_value"] = node.meta["val"]
