@@ -103,9 +103,7 @@ class SizeLearner:
 
     def shares(self) -> dict[Counted, float]:
         """Each size's share of recent calls."""
-        recent = dict(self._recent)  # a copy: calls in other threads go on counting
-        total = sum(recent.values())
-        return {s: c / total for s, c in recent.items()} if total else {}
+        return _shares(dict(self._recent))  # a copy: calls in other threads go on counting
 
     def look(self, decay: bool = True) -> None:
         """Learn the size that holds ``share`` of recent calls (retiring a colder one for it).
@@ -113,9 +111,10 @@ class SizeLearner:
         if not self._look.acquire(blocking=False):
             return
         try:
-            shares = self.shares()
+            recent = dict(self._recent)  # one copy (atomic): calls in other threads add sizes
+            shares = _shares(recent)
             if decay:
-                self._recent = {s: c * DECAY for s, c in self._recent.items() if c * DECAY >= 0.5}
+                self._recent = {s: c * DECAY for s, c in recent.items() if c * DECAY >= 0.5}
             if not self._ready():
                 return
             hot = sorted(
@@ -184,3 +183,8 @@ def _positive(size: Counted) -> bool:
 
 def _label(size: Counted) -> str:
     return f"shape {'x'.join(map(str, size))}" if isinstance(size, tuple) else f"size {size}"
+
+
+def _shares(recent: dict[Counted, float]) -> dict[Counted, float]:
+    total = sum(recent.values())
+    return {s: c / total for s, c in recent.items()} if total else {}
