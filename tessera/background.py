@@ -73,6 +73,7 @@ def start_thread(
         raise
     if not _compat.join_before_pools_shut(thread):
         # Started by a background thread after the exit's hooks began (a compile a trace or a
-        # compile starts then): too late for a hook of its own, so its starter joins it.
+        # compile starts then): too late for a hook of its own, so its starter joins it. (A thread
+        # the main thread starts then has no starter to wait for it: none of tessera's does.)
         getattr(_LATE, "threads", []).append(thread)
     return thread

@@ -74,18 +74,15 @@ def _damage(path: Path, how: str) -> None:
 # Inductor where the file holds or points at compiled code (the index, the whole-model artifact,
 # an artifact); the eager compiler for the files every backend writes alike (for CI's time: each
 # Inductor case costs about 15 s of it).
-_INDUCTOR = pytest.mark.inductor
-
-
 @pytest.mark.parametrize("how", ["truncate", "random", "delete"])
 @pytest.mark.parametrize(
     ("which", "backend"),
     [
-        pytest.param("index.py", "inductor", marks=_INDUCTOR),
+        pytest.param("index.py", "inductor", marks=pytest.mark.inductor),
         ("cache_key_factors.json", "eager"),
         ("computation_graph.py", "eager"),
-        pytest.param("model_artifact.pkl", "inductor", marks=_INDUCTOR),
-        pytest.param("artifact", "inductor", marks=_INDUCTOR),
+        pytest.param("model_artifact.pkl", "inductor", marks=pytest.mark.inductor),
+        pytest.param("artifact", "inductor", marks=pytest.mark.inductor),
         ("source", "eager"),
     ],
 )
