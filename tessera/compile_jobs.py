@@ -10,6 +10,7 @@ the parent. Each message is a length-prefixed pickle (``read_message`` /
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -57,6 +58,24 @@ class PieceJob:
     roots: tuple[str, ...] = ()  # the parent's cache roots: the worker's writer lock goes there
     env: dict[str, str] = field(default_factory=dict)
     state: Any = None  # the traced call's CompileState: the compile runs under it (None: as is)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Reason: a GraphModule's own pickle re-traces its code with torch.fx on load, which runs
+        # each factory call whose arguments are constants (torch.tensor([]) in a Hugging Face cache,
+        # a cache position's arange) and keeps its result as a buffer: the worker's graph was not
+        # the piece (its fake propagation refused the real constant; an artifact compiled from it
+        # took the buffers as inputs). The graph crosses as its nodes, rebuilt without a trace.
+        from tessera.cache.artifact import dump_graph
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["graph"] = dump_graph(self.graph)
+        return (_received_job, (fields,))
+
+
+def _received_job(fields: dict[str, Any]) -> PieceJob:
+    from tessera.cache.artifact import load_graph
+
+    return PieceJob(**{**fields, "graph": load_graph(fields["graph"])})
 
 
 @dataclass(frozen=True)

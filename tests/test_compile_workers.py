@@ -342,3 +342,56 @@ def test_a_general_compile_in_a_worker_serves_every_shape_and_the_next_start_loa
     torch.testing.assert_close(warm(x), model(x))
     counts = counters.snapshot()
     assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts
+
+
+class _FactoryConstants(torch.nn.Module):
+    """Tensors made from constants in the forward, as a Hugging Face cache makes them (the empty
+    keys a DynamicCache layer starts from, a table of positions): a torch.fx re-trace of the graph's
+    code (a GraphModule's pickle) runs those calls and keeps their results as buffers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, d = x.shape
+        keys = torch.cat([torch.tensor([], dtype=x.dtype).view(b, 0, d), x], dim=1)
+        return keys.relu() * torch.tensor([0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]) + torch.arange(8)
+
+
+def test_a_job_crosses_to_the_worker_with_its_graph_as_traced():
+    import pickle
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    empty = graph.call_function(torch.zeros, (0, 8))
+    scale = graph.call_function(torch.tensor, ([2.0] * 8,))
+    graph.output(graph.call_function(torch.mul, (graph.call_function(torch.cat, ([empty, x],)), scale)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    job = pickle.loads(pickle.dumps(PieceJob(gm, (), tessera.CompileConfig(), 8, "x", "", None)))
+    assert [n.op for n in job.graph.graph.nodes] == [n.op for n in gm.graph.nodes]  # no get_attr
+    assert not list(job.graph.buffers())
+    plain = pickle.loads(pickle.dumps(gm))  # what the job did before: the constants made buffers
+    assert {n.op for n in plain.graph.nodes} >= {"get_attr"} and list(plain.buffers())
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(job.graph(x), gm(x))
+
+
+@pytest.mark.inductor
+def test_a_graph_with_factory_constants_compiles_in_the_worker_and_the_next_start_loads_it():
+    model = _FactoryConstants()
+    compiled = tessera.compile(model, backend="inductor", compile_workers=1, background_compile=True)
+    for b, n in [(2, 3), (3, 5)]:  # grad enabled: a caller's default state
+        x = torch.randn(b, n, 8)
+        torch.testing.assert_close(compiled(x), model(x), msg=f"{b}x{n}, compiling")
+    assert compiled.wait_ready(300)
+    general = [a for a in _artifacts(compiled, "general") if a.source == "compiled"]
+    # Compiled in the worker (a worker that failed would have left it to this process).
+    assert general and all(a.worker is not None and a.worker != os.getpid() for a in general)
+    for b, n in [(2, 3), (4, 7), (1, 2)]:
+        x = torch.randn(b, n, 8)
+        torch.testing.assert_close(compiled(x), model(x), msg=f"{b}x{n}, ready")
+    torch._dynamo.reset()
+    counters.reset()
+    warm = tessera.compile(model, backend="inductor", compile_workers=1)
+    for b, n in [(6, 4), (2, 3)]:  # the artifact takes the piece's own arguments, no more
+        x = torch.randn(b, n, 8)
+        torch.testing.assert_close(warm(x), model(x), msg=f"{b}x{n}, warm")
+    counts = counters.snapshot()
+    assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts
