@@ -21,6 +21,9 @@ NEWEST := $(VENVS)/newest-$(subst ==,-,$(TORCH_SPEC))
 HF_OLDEST ?= 4.57.1
 OLDEST := $(VENVS)/hf-$(HF_OLDEST)-$(subst ==,-,$(TORCH_SPEC))
 REDIS := command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+# ccache for the suite's kernel builds (tests/conftest.py): without it the suite still runs, slower.
+CCACHE := command -v ccache >/dev/null || (apt-get update -qq && apt-get install -y -qq ccache >/dev/null) \
+	|| echo "ccache not installed: the suite builds every kernel itself (slower)"
 
 .PHONY: install demo test test-extended test-fast test-compat test-newest pins test-hf-oldest lint docs bench clean
 
@@ -44,6 +47,7 @@ demo: $(STAMP)
 # bound, 45 minutes on 2 cores), the 25 slowest listed at the end.
 test: $(STAMP)
 	$(REDIS)
+	$(CCACHE)
 	$(PY) -m pytest -q -m "not extended and timing"
 	$(PY) -m pytest -q -m "not extended and not timing" -n auto --maxprocesses 4 --dist worksteal --durations=25
 
