@@ -246,12 +246,8 @@ def test_inductor_learns_cold_loads_warm_and_the_picture_names_every_artifact(tm
     assert warm["first_kind"] == "warm" and sorted(warm["learnt"]) == [1, 4, 6]
     assert warm["counters"]["inductor_compiles"] == 0 and warm["counters"]["sizes_learnt"] == 0
     assert {"size 1", "size 4", "size 6"} <= set(warm["served_by"])  # from its first calls
-    moved = run_json(
-        "tests.run_auto_sizes", "inductor", "moved", cache=tmp_path, TESSERA_BACKGROUND_COMPILE="1"
-    )
-    assert moved["first_kind"] == "warm" and moved["counters"]["graphs_traced"] == 0
-    assert sorted(moved["learnt"]) == [1, 4, 6, 9] and moved["counters"]["sizes_learnt"] == 1
-    assert moved["counters"]["inductor_compiles"] > 0 and "size 9" in moved["served_by"]
+    # A warm process that learns a size its traffic adds: on Inductor in the batch x length test
+    # below, and for sizes on the eager compiler above (a third process here cost CI 45 s).
 
 
 @pytest.mark.inductor
