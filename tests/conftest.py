@@ -27,9 +27,16 @@ def _cached_compiler() -> None:
     real, ccache = shutil.which("g++"), shutil.which("ccache")
     if os.environ.get("CXX") or real is None or ccache is None:
         return
+    store = Path(os.environ.get("CCACHE_DIR") or Path.home() / ".cache" / "tessera" / "test-ccache")
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # ccache would fail every build: g++ as it is
+    if not os.access(store, os.W_OK):
+        return
+    os.environ["CCACHE_DIR"] = str(store)
     os.environ["TESSERA_TEST_REAL_CXX"] = real
     os.environ["CXX"] = str(Path(__file__).parent / "tools" / "cached-g++")
-    os.environ.setdefault("CCACHE_DIR", str(Path.home() / ".cache" / "tessera" / "test-ccache"))
     # Kernels are built in each test's own directory: the directory left out of the hash (it only
     # names the debug info's directory), and the precompiled header Inductor includes accepted.
     os.environ["CCACHE_NOHASHDIR"] = "1"
