@@ -164,8 +164,11 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
     # not listed): the report's timeline.
     timeline = getattr(getattr(model, "report", None), "timeline", ())
     landed = {s.what: round(s.end, 2) for s in timeline if s.what.startswith("trace ")}
+    spans = [[s.what, s.piece, s.source, round(s.start, 3), round(s.end, 3)] for s in timeline]
     return {
         "traces_landed_s": landed,
+        "timeline": spans,
+        "stream_start": stream_start - START,
         "first_output": first_output,
         "calls": calls,
         "steady_median": statistics.median(steady),
@@ -238,6 +241,17 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         if ratio > 2:
             over_by_stage[call["stage"]] = over_by_stage.get(call["stage"], 0) + 1
     worst = max(range(len(stream)), key=stream.__getitem__)
+    # The slow calls on the process's time axis (the timeline's), with what ran beside them: the
+    # background step (trace, compile, load) whose span covers the call, if any.
+    offset = ours.get("stream_start", 0.0)
+    slow = []
+    for call, ratio in zip(ours["calls"], stream, strict=True):
+        if ratio > 2:
+            at = call["at"] + offset
+            spans = ours.get("timeline", ())
+            beside = [f"{w} {p} {src}".strip() for w, p, src, s, e in spans if s <= at <= e + 0.05]
+            late_ms = round(call["late"] * 1e3, 1)
+            slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, beside[:3]])
     return {
         "eager_first_output_s": round(eager["first_output"], 3),
         "tessera_first_output_s": round(ours["first_output"], 3),
@@ -249,6 +263,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "calls_over_2x_by_stage": over_by_stage,
         "worst_call_stage_and_second": [ours["calls"][worst]["stage"], ours["calls"][worst]["at"]],
         "p99_call_ratio": p99(stream),
+        "slow_calls": slow[:40],  # [second from process start, stage, ratio, ms late, beside]
         "calls": len(stream),
         "eager_worst_call_ratio": round(max(eager_stream), 2),
         "eager_calls_over_2x": sum(r > 2 for r in eager_stream),
