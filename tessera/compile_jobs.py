@@ -2,10 +2,10 @@
 
 A job is one piece at one static size or at the general one (``PieceJob``). A static size's
 example inputs cross as plain shapes (``TensorSpec``); the general one's as the trace's symbolic
-shapes, described (symbolic_inputs.py) and made again in the worker. Ranges and shapes compile in
-the parent. Each message is a length-prefixed pickle (``read_message`` /
-``write_message``). The worker itself is ``compile_worker.py``; the pool that feeds it,
-``compile_pool.py``.
+shapes, described (symbolic_inputs.py) and made again in the worker. A shape (one static value per
+dynamic size) crosses as a static size does. Ranges compile in the parent. Each message is a
+length-prefixed pickle (``read_message`` / ``write_message``). The worker itself is
+``compile_worker.py``; the pool that feeds it, ``compile_pool.py``.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PieceJob:
-    """One piece to compile at one static size (or the general one: None), and where its piece
-    file goes."""
+    """One piece to compile at one static size or shape (or the general size: None), and where its
+    piece file goes."""
 
     graph: torch.fx.GraphModule
     # A static size's: TensorSpec for each tensor, the value itself otherwise. The general size's:
     # a symbolic_inputs.SymbolicInputs.
     inputs: Any
     config: Any  # CompileConfig (typed loosely: this module is imported without tessera.config)
-    size: int | None
+    size: Any  # an int, a config.Shape, or None (typed loosely, as config is)
     key: str  # the piece file's name in the entry (the artifact cache's scratch name)
     cache_dir: str
     machine_record: str | None

@@ -7,7 +7,8 @@ when the first model that needs it finds an artifact missing from its cache (a w
 none), and serves every later model of the process; it runs Inductor's own kernel compiles with
 its share of the cores.
 
-Static sizes and general ones go to a worker (see compile_jobs.py): a general compile there keeps
+Static sizes (and shapes, learnt ones among them) and general ones go to a worker (see
+compile_jobs.py): a general compile there keeps
 this process's GIL free for the calls it serves meanwhile (Inductor's lowering and code generation
 hold it in long C calls that no pacing interrupts). A job a worker cannot take (its graph
 does not pickle, the worker died or raised) is answered ``JobFailed`` and compiled by the caller
@@ -31,11 +32,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from tessera import counters
 from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
 from tessera.compile_state import COMPILE_LOCK
+from tessera.config import SizeRange, size_label
 from tessera.errors import CompilerError
 
 if TYPE_CHECKING:
@@ -293,10 +295,10 @@ class WorkerFanOut:
         self.waiting = 0  # jobs sent whose reply is not in yet
 
     def send(self, job: Job) -> bool:
-        """Hand ``job`` to the workers; False when the caller must compile it (a range or a shape,
-        or the workers cannot take it)."""
+        """Hand ``job`` to the workers; False when the caller must compile it (a range, or the
+        workers cannot take it)."""
         size, item = job.size, job.work.item
-        if size is not None and not isinstance(size, int):
+        if isinstance(size, SizeRange):
             return False
         key = self.artifact_cache.content_key(job.work.content, size)
         if key in self.leaders:
@@ -365,7 +367,7 @@ class WorkerFanOut:
             except CompilerError as e:
                 done = JobFailed(str(e))
             else:
-                assert job.size is None or isinstance(job.size, int), "only sizes and general are sent"
+                assert not isinstance(job.size, SizeRange), "ranges are never sent"
                 return self.artifact_cache.record_compiled(
                     fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
                 )
@@ -375,3 +377,64 @@ class WorkerFanOut:
 
 def _no_inputs() -> Sequence[Any]:
     return ()  # an identical piece's artifact is in the cache by then: nothing is compiled
+
+
+class FanOutOwner(Protocol):
+    """What a fan-out is made from: a model's pieces (split_model.SplitModel)."""
+
+    pool: CompilePool | None
+    compiler: Any
+    artifact_cache: ArtifactCache
+    config: CompileConfig
+    state: CompileState
+
+
+def worker_fan_out(
+    owner: FanOutOwner,
+    install: Callable[[Job, CompileOutcome], None],
+    on_failure: Callable[[Job, str], None],
+) -> WorkerFanOut | None:
+    """A fan-out of ``owner``'s compiles to its workers; None when it has none, or a compiler
+    that cannot use them."""
+    from tessera.compilers import CompilesInWorkers
+
+    if owner.pool is None or not isinstance(owner.compiler, CompilesInWorkers):
+        return None
+    return WorkerFanOut(
+        owner.pool, owner.compiler, owner.artifact_cache, owner.config, owner.state, install, on_failure
+    )
+
+
+def obtain_all(jobs: Sequence[Job], fan_out: WorkerFanOut | None, here: Callable[[Job], None]) -> None:
+    """Every job obtained: sent to the workers where they take it (at once: they compile there
+    while the rest compile here), the others by ``here`` in order, the workers' artifacts installed
+    as they come in; returns when every one is in."""
+    kept = [job for job in jobs if fan_out is None or not fan_out.send(job)]
+    for job in kept:
+        here(job)
+        if fan_out is not None:
+            fan_out.take_replies(block=False)
+    if fan_out is not None:
+        fan_out.finish()
+
+
+def warn_once(prefix: str) -> Callable[[Job, str], None]:
+    """A fan-out's ``on_failure`` for one model (``prefix``): the first worker failure is warned
+    (the piece is compiled here instead), the others only logged."""
+    said = False
+
+    def failed(job: Job, error: str) -> None:
+        nonlocal said
+
+        level = logging.DEBUG if said else logging.WARNING
+        said = True
+        log.log(
+            level,
+            "%s: a compile worker failed on %s (%s: %s); compiling here instead",
+            prefix,
+            job.work.item.name,
+            size_label(job.size),
+            error,
+        )
+
+    return failed

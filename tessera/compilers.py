@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from tessera import _compat, counters
-from tessera.config import CompileConfig, Size
+from tessera.config import CompileConfig, Shape, Size
 from tessera.errors import CompilerError, ConfigError
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class CompilesInWorkers(Protocol):
         graph: torch.fx.GraphModule,
         example_inputs: Sequence[Any],
         config: CompileConfig,
-        size: int | None,
+        size: int | Shape | None,
         key: str,
     ) -> PieceJob | None: ...
 

@@ -168,7 +168,7 @@ class InductorCompiler:
         graph: torch.fx.GraphModule,
         example_inputs: Sequence[Any],
         config: CompileConfig,
-        size: int | None,
+        size: int | Shape | None,
         key: str,
     ) -> PieceJob | None:
         """``compile`` as a job for a worker process, which writes the piece file into the entry.

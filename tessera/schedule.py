@@ -18,9 +18,8 @@ from tessera.background import start_thread
 from tessera.cache.index import index_key
 from tessera.cache.remote import FleetWaitAbandoned, RemoteTier
 from tessera.cache.sharing import compile_turn
-from tessera.compile_pool import WorkerFanOut
+from tessera.compile_pool import obtain_all, warn_once, worker_fan_out
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.compilers import CompilesInWorkers
 from tessera.config import CompileConfig, Size, size_label
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
@@ -76,7 +75,7 @@ class Background:
         self._before_ready = before_ready
         self._after_ready: list[Callable[[], None]] = []  # run once every size is in place
         self._lock = threading.Lock()
-        self._worker_failure_said = False  # a compile worker's failure is warned once per model
+        self._worker_failed = warn_once(owner.prefix)  # a compile worker's failure, warned once per model
         # Held back (traces.py: a later trace widened this one and serves its calls): the jobs
         # left wait for those of the traces that serve, which ``_ahead`` counts this one among.
         self.behind = False
@@ -144,19 +143,7 @@ class Background:
         def install(job: Job, outcome: CompileOutcome) -> None:
             owner.add_artifact(job.work.item, job.size, outcome, progress)
 
-        fan_out = None
-        if owner.pool is not None and isinstance(owner.compiler, CompilesInWorkers):
-            fan_out = WorkerFanOut(
-                owner.pool,
-                owner.compiler,
-                owner.artifact_cache,
-                owner.config,
-                owner.state,
-                install,
-                self._worker_failed,
-            )
-        here = [job for job in general_first(self.jobs) if fan_out is None or not fan_out.send(job)]
-        for job in here:
+        def here(job: Job) -> None:
             item, size = job.work.item, job.size
             if progress is not None:
                 progress.start(item.name, size_label(size))
@@ -165,10 +152,8 @@ class Background:
                 key = owner.artifact_cache.content_key(job.work.content, size)
                 outcome = owner.artifact_cache.get(item.graph, job.work.inputs(size), size, item.index, key)
             install(job, outcome)
-            if fan_out is not None:
-                fan_out.take_replies(block=False)
-        if fan_out is not None:
-            fan_out.finish()
+
+        obtain_all(general_first(self.jobs), worker_fan_out(owner, install, self._worker_failed), here)
         self.jobs = []
 
     def _run(self, then: Callable[[], None] | None) -> None:
@@ -243,15 +228,3 @@ class Background:
                 log.warning(
                     "%s: after the background compile: %s: %s", self.owner.prefix, type(e).__name__, e
                 )
-
-    def _worker_failed(self, job: Job, error: str) -> None:
-        """A compile worker failed (the piece is compiled here instead): warned once per model."""
-        if not self._worker_failure_said:
-            self._worker_failure_said = True
-            log.warning(
-                "%s: a compile worker failed on %s (%s: %s); compiling here instead",
-                self.owner.prefix,
-                job.work.item.name,
-                size_label(job.size),
-                error,
-            )

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,14 +18,23 @@ import torch
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.background import start_thread
+from tessera.compile_pool import (
+    CompilePool,
+    default_count,
+    obtain_all,
+    shared_pool,
+    warn_once,
+    worker_fan_out,
+)
 from tessera.compile_state import COMPILE_LOCK, CompileState
+from tessera.compilers import Compiler, CompilesInWorkers
 from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.learn import Counted, SizeLearner, SizeTally
 from tessera.piece import PieceRecord, free_symbols, shape_sources
 from tessera.piece_inputs import fixed, inputs_at
 from tessera.pieces import Pieces
 from tessera.split import SplitItem
-from tessera.work import PieceWork
+from tessera.work import Job, PieceWork, Work
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +45,11 @@ class LearningOwner(Protocol):
     config: CompileConfig
     prefix: str
     state: CompileState
+    compiler: Compiler
     artifact_cache: ArtifactCache
     phases: dict[str, float]
     pieces: Pieces
+    pool: CompilePool | None  # compile workers (started for the learnt sizes where none were)
 
     def jobs_left(self) -> bool: ...  # the background compile still has the trace's own sizes
 
@@ -57,6 +68,7 @@ class LoadedWork:
     graphs: dict[str, Any]  # content -> graph, shared by the model's loaded pieces
     _real: tuple[weakref.ref[Any] | None, ...] = ()
 
+    @property
     def item(self) -> SplitItem:
         graph = self.graphs.get(self.content)
         if graph is None:
@@ -74,8 +86,9 @@ class LoadedWork:
             for a, is_fixed in zip(args, fixed(self.record.inputs), strict=False)
         )
 
-    def inputs(self, size: int | Shape) -> Callable[[], Sequence[Any]]:
+    def inputs(self, size: Size) -> Callable[[], Sequence[Any]]:
         assert self.record.inputs is not None, "a loaded piece learns from its saved inputs"
+        assert isinstance(size, int | Shape), "a loaded piece compiles static sizes only"
         real = tuple(ref() if ref is not None else None for ref in self._real)
         return functools.partial(inputs_at, self.record.name, self.record.inputs, size, real)
 
@@ -97,6 +110,8 @@ class SizeLearning:
         self.idle.set()
         self._learn_queue: list[Counted] = []  # sizes learnt, waiting for the learning thread
         self._learn_lock = threading.Lock()  # the queue, and a learnt size's swap in or out
+        self._worker_failed = warn_once(owner.prefix)  # a compile worker's failure, warned once
+        self._workers_checked = False
 
     def start(self, learnt: Sequence[Counted] = ()) -> None:
         """Count the sizes served, on the first piece that has a size; with ``auto_sizes``, learn
@@ -206,13 +221,25 @@ class SizeLearning:
         start = time.perf_counter()
         static = static_size(size)
         try:
-            obtained = []
+            obtained: list[tuple[SplitItem, CompileOutcome]] = []
+
+            def install(job: Job, outcome: CompileOutcome) -> None:
+                obtained.append((job.work.item, outcome))
+
+            def here(job: Job) -> None:
+                work, cache = job.work, self.owner.artifact_cache
+                key = cache.content_key(work.content, static)
+                with COMPILE_LOCK.after_traces():
+                    install(
+                        job, cache.get(work.item.graph, work.inputs(static), static, work.item.index, key)
+                    )
+
+            # Each piece to the compile workers where there are some: a compile here would hold
+            # the GIL that the calls served meanwhile need (compile_pool.py).
+            works: list[Work] = [*self.sized, *self.loaded]
+            jobs = [Job(work, static) for work in works]
             with self.owner.state.applied():
-                for item, content, inputs in self._works(static):
-                    key = self.owner.artifact_cache.content_key(content, static)
-                    with COMPILE_LOCK.after_traces():
-                        outcome = self.owner.artifact_cache.get(item.graph, inputs, static, item.index, key)
-                    obtained.append((item, outcome))
+                obtain_all(jobs, worker_fan_out(self._with_workers(), install, self._worker_failed), here)
             with COMPILE_LOCK:
                 self.owner.artifact_cache.flush()
             with self._learn_lock:
@@ -251,12 +278,34 @@ class SizeLearning:
             )
             return False
 
-    def _works(self, size: int | Shape) -> Iterator[tuple[SplitItem, str, Callable[[], Sequence[Any]]]]:
-        """Each sized piece to compile at ``size``: its item, content hash and example inputs."""
-        for work in self.sized:
-            yield work.item, work.content, work.inputs(size)
+    def _with_workers(self) -> LearningOwner:
+        """The owner, its compile workers started for the learnt sizes where they can take them
+        and none were: a process that loaded its pieces starts none (a warm start compiles
+        nothing), nor one whose trace left nothing for them. Not with ``compile_workers=0``, a
+        compiler that cannot use them, no cache entry (a worker's artifact reaches this process
+        through it), CUDA graphs, or pieces off the CPU (compile_pool.py)."""
+        owner = self.owner
+        if owner.pool is None and not self._workers_checked:
+            self._workers_checked = True
+            count = owner.config.compile_workers
+            if (
+                count != 0
+                and isinstance(owner.compiler, CompilesInWorkers)
+                and owner.artifact_cache.entry is not None
+                and owner.pieces.graph_pool is None
+                and self._on_cpu()
+            ):
+                owner.pool = shared_pool(
+                    default_count(general=True) if count is None else count, owner.config.background_priority
+                )
+        return owner
+
+    def _on_cpu(self) -> bool:
+        devices = {a.device.type for w in self.sized for a in w.fake_args if isinstance(a, torch.Tensor)}
         for loaded in self.loaded:
-            yield loaded.item(), loaded.content, loaded.inputs(size)
+            saved = loaded.record.inputs.inputs if loaded.record.inputs is not None else ()
+            devices |= {torch.device(i.device).type for i in saved if i.kind == "tensor"}
+        return devices <= {"cpu"}
 
     def _retire(self, size: Counted) -> None:
         """A learnt size no longer hot: its artifact out of every piece (calls of that size go

@@ -1,17 +1,31 @@
-"""What compiling a piece needs, as records: a piece's compile inputs (``PieceWork``) and one
-artifact to obtain (``Job``). The background compile and the learning (schedule.py,
-size_learning.py) make them; the compile workers' fan-out (compile_pool.py) takes them."""
+"""What compiling a piece needs, as records: a piece's compile inputs (``PieceWork``; ``Work``, what
+any piece to compile offers, a loaded one's too) and one artifact to obtain (``Job``). The
+background compile and the learning (schedule.py, size_learning.py) make them; the compile
+workers' fan-out (compile_pool.py) takes them."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tessera.config import Shape, Size
 from tessera.piece import specialize_inputs
 from tessera.split import SplitItem
+
+
+class Work(Protocol):
+    """A piece to compile at some size: the piece, its content hash (which names its artifacts),
+    and its example inputs at a size, made when a compile needs them."""
+
+    @property
+    def item(self) -> SplitItem: ...
+
+    @property
+    def content(self) -> str: ...
+
+    def inputs(self, size: Size) -> Callable[[], Sequence[Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +51,7 @@ class PieceWork:
 class Job:
     """One artifact to obtain: ``work``'s piece at ``size`` (None: the general artifact)."""
 
-    work: PieceWork
+    work: Work
     size: Size
 
 

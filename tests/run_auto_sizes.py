@@ -157,6 +157,8 @@ def run() -> dict[str, Any]:
         "obtained": sorted({(a.size, a.source) for a in report.artifacts}),
         "served_by": sorted(served),
         "files": sorted({a.file for a in compiled.report.artifacts if a.file}),
+        # The artifacts a compile worker compiled (the rest: compiled here, loaded or shared).
+        "by_worker": sorted({a.size for a in report.artifacts if a.worker is not None}),
     }
 
 

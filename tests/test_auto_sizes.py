@@ -262,6 +262,8 @@ def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_d
     assert sorted(cold["learnt"]) == [[2, 16], [4, 8]], cold["learnt"]  # batch x length, in that order
     assert cold["counters"]["inductor_compiles"] > 0 and cold["counters"]["served_eagerly"] >= 1
     assert sum(label.startswith("shape ") for label in cold["served_by"]) == 2, cold["served_by"]
+    # Compiled by the compile worker, off the GIL of the process serving meanwhile.
+    assert {"shape 2x16", "shape 4x8"} <= set(cold["by_worker"]), cold["by_worker"]
     assert "shape " in html.read_text(encoding="utf-8")
     warm = run_json("tests.run_auto_sizes", "inductor", "shapes-none", cache=tmp_path, **defaults)
     assert warm["first_kind"] == "warm" and sorted(warm["learnt"]) == [[2, 16], [4, 8]]
@@ -274,6 +276,9 @@ def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_d
     assert sorted(moved["learnt"]) == [[2, 16], [3, 6], [4, 8]], moved["learnt"]
     assert moved["counters"]["sizes_learnt"] == 1 and moved["counters"]["inductor_compiles"] > 0
     assert sum(label.startswith("shape ") for label in moved["served_by"]) == 3, moved["served_by"]
+    # The warm process had no compile worker (it compiled nothing): the learnt shape started one.
+    assert moved["by_worker"] == ["shape 3x6"], moved["by_worker"]
+    assert moved["counters"]["compile_workers_started"] == 1
 
 
 def test_report_html_from_the_command_line_draws_a_scripts_models(tmp_path: Path):
