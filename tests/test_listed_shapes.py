@@ -194,6 +194,7 @@ def test_inductor_compiles_listed_shapes_cold_and_loads_them_warm_on_the_default
     cold = run_json("tests.run_auto_sizes", "inductor", "shapes-listed", cache=tmp_path, **defaults)
     assert cold["learnt"] == [] and cold["counters"]["inductor_compiles"] > 0
     assert {"shape 2x16", "shape 4x8"} <= set(cold["served_by"]), cold["served_by"]
+    assert {"shape 2x16", "shape 4x8"} <= set(cold["by_worker"]), cold["by_worker"]  # off the GIL
     assert cold["warnings"] == [], cold["warnings"]  # no CacheWarning, no shape left unfitted
     # The warm process serves under torch.inference_mode(), as a server calls.
     warm = run_json(
