@@ -165,7 +165,14 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
     timeline = getattr(getattr(model, "report", None), "timeline", ())
     landed = {s.what: round(s.end, 2) for s in timeline if s.what.startswith("trace ")}
     spans = [[s.what, s.piece, s.source, round(s.start, 3), round(s.end, 3)] for s in timeline]
+    report = getattr(model, "report", None)
+    compiled = [a for a in getattr(report, "artifacts", ()) if a.source == "compiled"]
     return {
+        # With TESSERA_COMPILE_SIZES=auto: the sizes learnt in the minute; and where each artifact
+        # compiled (a compile worker, or this process beside the calls).
+        "learnt": [str(s) for s in getattr(report, "learnt_sizes", ())],
+        "compiled_here": sum(a.worker is None for a in compiled),
+        "compiled_by_worker": sum(a.worker is not None for a in compiled),
         "traces_landed_s": landed,
         "timeline": spans,
         "stream_start": stream_start - START,
@@ -273,6 +280,9 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "seconds_to_traced": ours["seconds_to_traced"],
         "seconds_to_ready": ours["seconds_to_ready"],
         "traces_landed_s": ours["traces_landed_s"],
+        "learnt": ours.get("learnt", []),
+        "compiled_here": ours.get("compiled_here"),
+        "compiled_by_worker": ours.get("compiled_by_worker"),
         "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),
         "max_abs_diff": max(diffs),
     }
