@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 MAX_WORKERS = 8
 # How long a new worker may take to import torch and Inductor before it is given up on.
 START_SECONDS = 180.0
+# How long a job may go unanswered before its worker is taken for hung (a compiler stuck in a
+# deadlock, a C++ compile that never ends): the worker is stopped, the piece compiled by the caller,
+# and a new worker takes the next job. One piece at one size compiles in seconds to minutes.
+JOB_SECONDS = 1800.0
 
 
 def default_count(general: bool = False) -> int:
@@ -146,6 +150,14 @@ class _Worker(threading.Thread):
         assert stdin is not None and stdout is not None
         try:
             write_message(stdin, payload)
+            answered, _, _ = select.select([stdout], [], [], JOB_SECONDS)
+            if not answered:
+                process.kill()
+                process.wait()
+                return JobFailed(
+                    f"compile worker {process.pid} did not finish its job within {JOB_SECONDS:.0f}s "
+                    "and was stopped"
+                )
             result = read_message(stdout)
         except Exception as e:  # the pipe broke, or the answer is not one: the worker is replaced
             result = None

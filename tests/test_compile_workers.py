@@ -295,6 +295,35 @@ def test_a_worker_that_does_not_start_fails_its_job_instead_of_hanging(monkeypat
         pool.stop()
 
 
+def test_a_worker_that_hangs_on_a_job_is_stopped_and_the_job_fails(monkeypatch, tmp_path):
+    # A compiler stuck for good (a deadlock, a C++ compile that never ends): past the job's
+    # deadline the worker is stopped and the job fails, so the caller compiles the piece itself
+    # and a new worker takes the next job; nothing waits forever.
+    from tessera import compile_pool
+
+    hangs = tmp_path / "hangs"  # says READY as a worker does, then never answers
+    ready = f"import pickle, struct, sys, time; p = pickle.dumps({compile_pool.READY!r}); "
+    ready += "sys.stdout.buffer.write(struct.pack('>Q', len(p)) + p); sys.stdout.buffer.flush(); "
+    ready += "time.sleep(600)"
+    hangs.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{ready}"\n')
+    hangs.chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(hangs))
+    monkeypatch.setattr(compile_pool, "JOB_SECONDS", 2.0)
+    pool = CompilePool(1)
+    try:
+        graph, _ = _piece()
+        job = PieceJob(graph, (), tessera.CompileConfig(), 8, "x", "", None)
+        replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
+        assert pool.submit(job, "tag", replies)
+        reply = replies.get(timeout=120)
+        assert isinstance(reply.result, JobFailed), reply.result
+        assert "did not finish its job within 2s" in reply.result.error
+        process = pool.workers[0].process
+        assert process is not None and process.poll() is not None  # stopped, not left hanging
+    finally:
+        pool.stop()
+
+
 def test_a_forked_child_starts_its_own_pool(monkeypatch):
     from tessera import compile_pool
 
