@@ -5,11 +5,13 @@ Defaults means Inductor with the background compile on (the caller's environment
 TESSERA_BACKGROUND_COMPILE), grad enabled and frozen parameters. Each case makes calls of several
 kinds (sizes, batches, generate() prompts) and compares every output with eager's; the process
 then exits without waiting for anything (its traces must reach the cache by themselves). Prints
-JSON: per case the traces, how many were loaded, the counters, and the tessera warnings raised.
+JSON at exit: per case the traces, how many were loaded, the counters, and the tessera warnings
+raised; and ``at_exit``, the whole process's counters once its background work was done.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import warnings
@@ -185,7 +187,7 @@ def run(case: str) -> dict[str, Any]:
         model, calls, install = _generate(case)
     model.requires_grad_(False)
     expected = calls(model.generate if case not in _MODELS else model)
-    tessera.counters.reset()
+    before = tessera.counters.snapshot()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", tessera.TesseraWarning)
         if case in _MODELS:
@@ -202,16 +204,31 @@ def run(case: str) -> dict[str, Any]:
     return {
         "traces": len(compiled.traces),
         "loaded": sum(e.loaded for e in compiled.traces),
-        "counters": {k: v for k, v in tessera.counters.snapshot().items() if v},
+        "counters": _since(before),
         "warnings": [
             f"{w.category.__name__}: {w.message}" for w in caught if issubclass(w.category, Warning)
         ],
     }
 
 
+def _since(before: dict[str, int]) -> dict[str, int]:
+    after = tessera.counters.snapshot()
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
 def main() -> int:
-    out = {case: run(case) for case in sys.argv[1:]}
-    json.dump(out, sys.stdout)  # no wait_ready: the traces reach the cache at a normal exit
+    start = tessera.counters.snapshot()
+    out: dict[str, Any] = {case: run(case) for case in sys.argv[1:]}
+
+    def report() -> None:
+        # The whole process's counters once its background work is done: the interpreter joins
+        # tessera's background threads (the traces of calls served eagerly, the compiles) before
+        # it runs the atexit hooks, so what they did after the last call counts too.
+        out["at_exit"] = _since(start)
+        json.dump(out, sys.stdout)
+        sys.stdout.flush()
+
+    atexit.register(report)  # no wait_ready: the traces reach the cache at a normal exit
     return 0
 
 

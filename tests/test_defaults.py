@@ -64,6 +64,11 @@ def test_a_second_process_with_the_defaults_traces_and_compiles_nothing(tmp_path
         assert warm[case]["counters"].get("compile_workers_started", 0) == 0, (case, warm[case])
         assert warm[case]["loaded"] == warm[case]["traces"] >= 1, (case, warm[case])
         assert cold[case]["warnings"] == warm[case]["warnings"] == [], case  # no CacheWarning
+    # The whole processes, once their background work was done (at exit): the cold one compiled,
+    # the warm one traced, compiled and started nothing then either.
+    assert cold["at_exit"].get("inductor_compiles", 0) > 0, cold["at_exit"]
+    for name in ("graphs_traced", "served_eagerly", "inductor_compiles", "compile_workers_started"):
+        assert warm["at_exit"].get(name, 0) == 0, (name, warm["at_exit"])
 
 
 class Flag(torch.nn.Module):
