@@ -7,12 +7,12 @@ when the first model that needs it finds an artifact missing from its cache (a w
 none), and serves every later model of the process; it runs Inductor's own kernel compiles with
 its share of the cores.
 
-Static sizes (and shapes, learnt ones among them) and general ones go to a worker (see
-compile_jobs.py): a general compile there keeps
-this process's GIL free for the calls it serves meanwhile (Inductor's lowering and code generation
-hold it in long C calls that no pacing interrupts). A job a worker cannot take (its graph
-does not pickle, the worker died or raised) is answered ``JobFailed`` and compiled by the caller
-in its own process: a worker can make a compile faster, never make one fail.
+Static sizes and shapes (listed or learnt from traffic) and general ones go to a worker (see
+compile_jobs.py): a compile there keeps this process's GIL free for the calls it serves meanwhile
+(Inductor's lowering and code generation hold it in long C calls that no pacing interrupts). A job
+a worker cannot take (its graph does not pickle, the worker died, raised or hung) is answered
+``JobFailed`` and compiled by the caller in its own process: a worker can make a compile faster,
+never make one fail.
 """
 
 from __future__ import annotations

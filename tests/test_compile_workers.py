@@ -160,6 +160,38 @@ def test_a_failed_worker_is_said_once_and_the_piece_compiles_here(fake_workers, 
     torch.testing.assert_close(compiled(*args), model(*args))
 
 
+def test_a_learnt_size_compiles_in_the_workers_which_the_learning_starts(fake_workers, monkeypatch):
+    # Up front, no static size listed: the build starts no worker. The learning starts them at its
+    # first learnt size and sends every distinct piece there, off this process's GIL.
+    from tessera import learn
+
+    monkeypatch.setattr(
+        "tessera.size_learning.shared_pool",
+        lambda count, priority: fake_workers.FakePool() if count else None,
+    )
+    model = toy_llama.build(num_layers=2)
+    compiled = tessera.compile(
+        model,
+        backend="tests.test_compile_workers:WorkerCompiler",
+        compile_sizes="auto",
+        compile_workers=1,
+        background_compile=False,
+    )
+    args = toy_llama.example_inputs(5)
+    for i in range(2 * learn.EVERY):  # grad enabled, as a caller's default state is
+        out = compiled(*args)
+        if i % 16 == 0:
+            torch.testing.assert_close(out, model(*args))
+    assert compiled.wait_ready(60)
+    assert compiled.report.learnt_sizes == (5,)
+    assert {job.size for job in fake_workers.FakePool.jobs} == {5}
+    assert 5 not in fake_workers.WorkerCompiler.here  # nothing of the learnt size compiled here
+    learnt = [a for a in _artifacts(compiled, "size 5") if a.source == "compiled"]
+    assert learnt and {a.worker for a in learnt} == {FAKE_PID}
+    torch.testing.assert_close(compiled(*args), model(*args))
+    assert dict(next(p for p in compiled.pieces if not p.is_splitting).served).get("size 5", 0) >= 1
+
+
 def test_no_workers_without_a_cache_or_when_asked_for_none(fake_workers):
     model = toy_llama.build(num_layers=1)
     for options in ({"compile_workers": 0}, {"disable_cache": True}):
