@@ -315,14 +315,19 @@ def test_a_worker_that_does_not_start_fails_its_job_instead_of_hanging(monkeypat
     # Embedded interpreters (a server's binary as sys.executable) start no Python: the job fails,
     # and the caller compiles the piece itself.
     monkeypatch.setattr("sys.executable", "/bin/true")
+    result, _ = _one_job()
+    assert isinstance(result, JobFailed) and "did not start" in result.error
+
+
+def _one_job() -> tuple[Any, Any]:
+    """One job through a pool of one worker: the worker's answer, and its process after it."""
     pool = CompilePool(1)
     try:
         graph, _ = _piece()
         job = PieceJob(graph, (), tessera.CompileConfig(), 8, "x", "", None)
         replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         assert pool.submit(job, "tag", replies)
-        reply = replies.get(timeout=60)
-        assert isinstance(reply.result, JobFailed) and "did not start" in reply.result.error
+        return replies.get(timeout=120).result, pool.workers[0].process
     finally:
         pool.stop()
 
@@ -341,19 +346,10 @@ def test_a_worker_that_hangs_on_a_job_is_stopped_and_the_job_fails(monkeypatch, 
     hangs.chmod(0o755)
     monkeypatch.setattr("sys.executable", str(hangs))
     monkeypatch.setattr(compile_pool, "JOB_SECONDS", 2.0)
-    pool = CompilePool(1)
-    try:
-        graph, _ = _piece()
-        job = PieceJob(graph, (), tessera.CompileConfig(), 8, "x", "", None)
-        replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
-        assert pool.submit(job, "tag", replies)
-        reply = replies.get(timeout=120)
-        assert isinstance(reply.result, JobFailed), reply.result
-        assert "did not finish its job within 2s" in reply.result.error
-        process = pool.workers[0].process
-        assert process is not None and process.poll() is not None  # stopped, not left hanging
-    finally:
-        pool.stop()
+    result, process = _one_job()
+    assert isinstance(result, JobFailed), result
+    assert "did not finish its job within 2s" in result.error
+    assert process is not None and process.poll() is not None  # stopped, not left hanging
 
 
 def test_a_forked_child_starts_its_own_pool(monkeypatch):
