@@ -19,6 +19,9 @@ that holds it) counts. Printed per model:
 - ``calls_over_2x``: how many of tessera's calls took more than twice eager's median at their size
   (``calls_over_2x_by_stage``: by what served them, ``eager`` while the trace is made; and
   ``worst_call_stage_and_second``: what served the slowest, and when in the stream);
+- ``slow_calls``: each call over 2x, on the process's time axis, with the background step whose
+  span covers it and any garbage collection of over a millisecond beside it (which thread ran it);
+  ``collections_over_5ms``: those of over 5 ms during the stream, by generation;
 - ``p99_call_ratio``: the 99th percentile of tessera's calls, each over eager's median at its size;
 - ``eager_worst_call_ratio`` / ``eager_calls_over_2x`` / ``eager_p99_call_ratio``: the same for
   eager's own stream: the machine's noise, the floor the bar is read against;
@@ -102,6 +105,7 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
 
     if threads:
         torch.set_num_threads(threads)
+    collections = _record_collections()
 
     model, inputs = _build(name)
     sizes = SIZES[name]
@@ -176,6 +180,7 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "traces_landed_s": landed,
         "timeline": spans,
         "stream_start": stream_start - START,
+        "collections": collections,
         "first_output": first_output,
         "calls": calls,
         "steady_median": statistics.median(steady),
@@ -183,6 +188,30 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "seconds_to_ready": ready_at,
         "outputs": [o.tolist() for o in outputs],
     }
+
+
+def _record_collections() -> list[list[Any]]:
+    """Every garbage collection of over a millisecond from now on, as [second from process start,
+    milliseconds, generation, the thread that ran it]: a collection holds the GIL, so a call
+    served beside it waits for all of it."""
+    import threading
+
+    collections: list[list[Any]] = []
+    started: dict[int, float] = {}
+
+    def on_collection(phase: str, info: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            started[threading.get_ident()] = now
+            return
+        begun = started.pop(threading.get_ident(), now)
+        if now - begun > 1e-3:
+            where = threading.current_thread().name
+            took_ms = round((now - begun) * 1e3, 1)
+            collections.append([round(begun - START, 4), took_ms, info["generation"], where])
+
+    gc.callbacks.append(on_collection)
+    return collections
 
 
 def _run(
@@ -218,6 +247,15 @@ def _first_outputs(name: str, runs: int) -> dict[str, Any]:
         "tessera_first_output_s": [round(t, 3) for _, t in pairs],
         "first_output_ratio_median": round(statistics.median(t / e for e, t in pairs), 3),
     }
+
+
+def _long_collections(ours: dict[str, Any]) -> dict[str, int]:
+    offset = ours.get("stream_start", 0.0)
+    long: dict[str, int] = {}
+    for s, ms, gen, _ in ours.get("collections", ()):
+        if ms > 5 and s >= offset:
+            long[f"gen{gen}"] = long.get(f"gen{gen}", 0) + 1
+    return long
 
 
 def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
@@ -257,8 +295,14 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
             at = call["at"] + offset
             spans = ours.get("timeline", ())
             beside = [f"{w} {p} {src}".strip() for w, p, src, s, e in spans if s <= at <= e + 0.05]
+            began = at - call["seconds"]
+            beside += [
+                f"gc gen{gen} {ms} ms in {where}"
+                for s, ms, gen, where in ours.get("collections", ())
+                if s <= at and s + ms / 1e3 >= began
+            ]
             late_ms = round(call["late"] * 1e3, 1)
-            slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, beside[:3]])
+            slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, beside[:4]])
     return {
         "eager_first_output_s": round(eager["first_output"], 3),
         "tessera_first_output_s": round(ours["first_output"], 3),
@@ -283,6 +327,8 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "learnt": ours.get("learnt", []),
         "compiled_here": ours.get("compiled_here"),
         "compiled_by_worker": ours.get("compiled_by_worker"),
+        # Garbage collections of over 5 ms in tessera's process during the stream, by generation.
+        "collections_over_5ms": _long_collections(ours),
         "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),
         "max_abs_diff": max(diffs),
     }
