@@ -30,6 +30,7 @@ from tessera import _compat, counters
 from tessera.assumption import Mismatch
 from tessera.compile_state import COMPILE_LOCK
 from tessera.errors import first_line
+from tessera.pacing import PACER
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +169,13 @@ class Beside:
         if seen is None:  # an argument that cannot be copied: traced on this thread
             self._start(None)
             return None
+        began = time.perf_counter()
         try:
             output = self.eager(args, kwargs)
         except BaseException:
             self._start(None)  # eager's error is the caller's: no trace of a call eager rejects
             raise
+        PACER.measured(time.perf_counter() - began)  # the paced trace's measure of a call
         self._start((seen, reason, mismatches, state))
         return (output,)
 

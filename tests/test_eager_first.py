@@ -499,6 +499,52 @@ def test_the_bytes_a_kept_call_would_copy_are_counted_through_containers_and_obj
     assert tensor_bytes(torch.nn.Linear(100, 100)) == 0  # the model's weights are not the call's
 
 
+class Slow(torch.nn.Module):
+    """A call of 30-60 ms on the 2-core CPU, far longer than the pacer's guess of a typical one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(1024, 1024) / 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            x = x @ self.w
+        return x
+
+
+def test_the_eager_call_that_starts_the_first_trace_tells_the_pacer_a_calls_time(monkeypatch):
+    from tessera import beside
+    from tessera.pacing import Pacer
+
+    pacer = Pacer()
+    monkeypatch.setattr(beside, "PACER", pacer)
+    model, x = Slow(), torch.randn(512, 1024)
+    guess = pacer.typical
+    compiled = tessera.compile(model, backend="eager")
+    torch.testing.assert_close(compiled(x), model(x))
+    assert compiled.wait_ready(60)
+    # The measure is the eager call's, far above the guess: a paced thread now waits as long as
+    # a call before it takes one for a call that waits on it.
+    assert pacer.typical > 3 * guess, (pacer.typical, guess)
+    measured = pacer.typical
+    pacer.measured(1.0)  # measured once: a later first call (another model's) leaves it
+    assert pacer.typical == measured
+
+
+def test_a_counted_call_comes_before_a_measure():
+    from tessera.pacing import Pacer
+
+    pacer = Pacer()
+    with pacer.serving():
+        time.sleep(0.02)
+    counted = pacer.typical
+    pacer.measured(1.0)
+    assert pacer.typical == counted
+    fresh = Pacer()
+    fresh.measured(0.0)  # too short to wait on: the shortest wait a paced thread makes
+    assert fresh.typical > 0
+
+
 def test_the_switch_interval_is_put_back_when_no_thread_is_paced():
     import sys
 
