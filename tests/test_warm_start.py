@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,7 +251,8 @@ def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
     (expected,) = fn(x, w)
     torch.testing.assert_close(compiled(x, w)[0], expected)
     piece = piece_file.PieceFile.from_bytes((tmp_path / handle).read_bytes())
-    assert piece.direct is not None and piece.standard  # CPU: both ways are stored
+    # CPU: both ways are stored, and the wrapper's code compiled with it.
+    assert piece.direct is not None and piece.direct.code and piece.standard
     stripped = piece_file.PieceFile(piece.standard, None, piece.returns_tuple, "as if on a GPU")
     (tmp_path / "stripped.bin").write_bytes(stripped.to_bytes())
     loaded = InductorCompiler()
@@ -276,3 +279,75 @@ def test_recorded_isa_probe_is_trusted_only_when_the_cpu_flags_agree(tmp_path):
         assert compiler._probe_recorded()
     compiler.machine_record.write_text("{damaged")
     assert not compiler._probe_recorded()
+
+
+def _direct(source: str, code: bytes | None = None, bytecode: str | None = None) -> Any:
+    import marshal
+
+    from tessera import piece_file
+
+    compiled = marshal.dumps(compile(source, "<tessera piece>", "exec")) if code is None else code
+    return piece_file.DirectCode(
+        wrapper=source,
+        kernels=(),
+        extern=(),
+        num_inputs=1,
+        num_outputs=1,
+        code=compiled,
+        bytecode=piece_file.BYTECODE if bytecode is None else bytecode,
+    )
+
+
+def test_a_piece_loads_the_wrapper_code_compiled_with_it_and_compiles_only_what_it_cannot_use(monkeypatch):
+    """Compiling a piece's wrapper holds the GIL for milliseconds: the code compiled where the piece
+    compiled is stored with it and loaded instead, where this interpreter's bytecode is its own."""
+    import traceback
+
+    from tessera import piece_file
+
+    source = (
+        "def call(args):\n"
+        "    (x,) = args\n"
+        "    if x.sum() < 0:\n"
+        "        raise ValueError('negative')\n"
+        "    return (x * 2,)\n"
+    )
+    stored = piece_file.PieceFile(b"standard", _direct(source), True)
+    direct = piece_file.PieceFile.from_bytes(stored.to_bytes()).direct
+    assert direct is not None and direct.code and direct.bytecode == piece_file.BYTECODE
+    compiled: list[str] = []
+
+    def counting(text: str, filename: str, mode: str) -> Any:
+        compiled.append(filename)
+        return compile(text, filename, mode)
+
+    monkeypatch.setattr(piece_file, "compile", counting, raising=False)
+    x = torch.arange(3.0)
+    run = piece_file.load_direct(direct, "submod_1")
+    torch.testing.assert_close(run(x)[0], x * 2)
+    assert compiled == []
+    # Its traceback names the piece, with the wrapper's lines, as one compiled here would.
+    with pytest.raises(ValueError) as raised:
+        run(-x - 1)
+    frame = traceback.extract_tb(raised.value.__traceback__)[-1]
+    assert frame.filename == "<tessera piece submod_1>" and "raise ValueError" in (frame.line or "")
+    # Another interpreter's bytecode, bytes that do not unmarshal, a file written before the code
+    # was kept: the wrapper is compiled, and runs the same.
+    for other in (
+        _direct(source, bytecode="0d0d0d0a"),
+        _direct(source, code=b"\x00not marshal"),
+        _direct(source, code=b""),
+    ):
+        torch.testing.assert_close(piece_file.load_direct(other, "submod_1")(x)[0], x * 2)
+    # A file written before the code was kept: its header has no "code".
+    data = stored.to_bytes()
+    start = len(piece_file.MAGIC) + 8
+    (length,) = struct.unpack("<Q", data[len(piece_file.MAGIC) : start])
+    header = json.loads(data[start : start + length])
+    del header["direct"]["code"], header["direct"]["bytecode"]
+    encoded = json.dumps(header).encode()
+    older = piece_file.MAGIC + struct.pack("<Q", len(encoded)) + encoded + data[start + length :]
+    direct = piece_file.PieceFile.from_bytes(older).direct
+    assert direct is not None and direct.code == b""
+    torch.testing.assert_close(piece_file.load_direct(direct, "submod_1")(x)[0], x * 2)
+    assert compiled == ["<tessera piece submod_1>"] * 4
