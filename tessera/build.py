@@ -31,11 +31,10 @@ from tessera.cache.key import (
 )
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn, prefetch
-from tessera.compile_pool import CompilePool, default_count, shared_pool
+from tessera.compile_pool import CompilePool, workers_for
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import (
     Compiler,
-    CompilesInWorkers,
 )
 from tessera.config import CompileConfig, Shape, Size, size_label
 from tessera.errors import TesseraWarning
@@ -328,23 +327,15 @@ def _background(split_model: SplitModel) -> bool:
 
 
 def _compile_pool(split_model: SplitModel, pieces_args: list[Sequence[Any]]) -> CompilePool | None:
-    """The compile workers, when some of this model can go to them: CPU pieces with a size and
-    static compile sizes for them, or CPU pieces whose general artifacts compile in the background
-    while they serve as traced; a compiler that compiles in workers, a cache entry for their files,
-    no CUDA graphs (a capture needs every size at install), and workers asked for."""
+    """The compile workers, when some of this model can go to them (``compile_pool.workers_for``):
+    CPU pieces with a size and static compile sizes for them, or CPU pieces whose general artifacts
+    compile in the background while they serve as traced."""
     on_cpu = [fake for fake in pieces_args if _on_cpu(fake)]
     sized = compile_sizes(split_model) and any(find_size_source(fake) is not None for fake in on_cpu)
-    if (
-        not (sized or (on_cpu and serves_traced(split_model)))
-        or split_model.pieces.graph_pool is not None
-        or not isinstance(split_model.compiler, CompilesInWorkers)
-        or split_model.artifact_cache.entry is None
-    ):
+    general = bool(on_cpu) and serves_traced(split_model)
+    if not (sized or general):
         return None
-    count = split_model.config.compile_workers
-    if count is None:
-        count = default_count(general=bool(on_cpu) and serves_traced(split_model))
-    return shared_pool(count, split_model.config.background_priority)
+    return workers_for(split_model, split_model.pieces.graph_pool, general)
 
 
 def _sizes(split_model: SplitModel, fake_args: Sequence[Any]) -> tuple[Size, ...]:

@@ -401,6 +401,24 @@ class FanOutOwner(Protocol):
     state: CompileState
 
 
+def workers_for(owner: FanOutOwner, graph_pool: object, general: bool) -> CompilePool | None:
+    """The process's compile workers for ``owner``'s compiles (started at the first use), or None
+    where they cannot take them: ``compile_workers=0``, a compiler that does not compile in workers,
+    no cache entry (a worker's artifact reaches this process through it), or CUDA graphs
+    (``graph_pool``: a capture needs every size at install). ``compile_workers`` unset:
+    ``default_count(general)``."""
+    from tessera.compilers import CompilesInWorkers
+
+    if graph_pool is not None or not isinstance(owner.compiler, CompilesInWorkers):
+        return None
+    if owner.artifact_cache.entry is None:
+        return None
+    count = owner.config.compile_workers
+    return shared_pool(
+        default_count(general=general) if count is None else count, owner.config.background_priority
+    )
+
+
 def worker_fan_out(
     owner: FanOutOwner,
     install: Callable[[Job, CompileOutcome], None],

@@ -20,14 +20,13 @@ from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.background import start_thread
 from tessera.compile_pool import (
     CompilePool,
-    default_count,
     obtain_all,
-    shared_pool,
     warn_once,
     worker_fan_out,
+    workers_for,
 )
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.compilers import Compiler, CompilesInWorkers
+from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Shape, Size, size_label, static_size
 from tessera.learn import Counted, SizeLearner, SizeTally
 from tessera.piece import PieceRecord, free_symbols, shape_sources
@@ -287,17 +286,8 @@ class SizeLearning:
         owner = self.owner
         if owner.pool is None and not self._workers_checked:
             self._workers_checked = True
-            count = owner.config.compile_workers
-            if (
-                count != 0
-                and isinstance(owner.compiler, CompilesInWorkers)
-                and owner.artifact_cache.entry is not None
-                and owner.pieces.graph_pool is None
-                and self._on_cpu()
-            ):
-                owner.pool = shared_pool(
-                    default_count(general=True) if count is None else count, owner.config.background_priority
-                )
+            if self._on_cpu():
+                owner.pool = workers_for(owner, owner.pieces.graph_pool, general=True)
         return owner
 
     def _on_cpu(self) -> bool:

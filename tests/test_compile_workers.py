@@ -81,7 +81,7 @@ def fake_workers(monkeypatch):
     cls.FakePool.jobs = []
     cls.FakePool.graphs = {}
     monkeypatch.setattr(
-        "tessera.build.shared_pool", lambda count, priority: cls.FakePool() if count else None
+        "tessera.compile_pool.shared_pool", lambda count, priority: cls.FakePool() if count else None
     )
     return cls  # the module tessera loads the compiler from (pytest may import this file apart)
 
@@ -160,15 +160,11 @@ def test_a_failed_worker_is_said_once_and_the_piece_compiles_here(fake_workers, 
     torch.testing.assert_close(compiled(*args), model(*args))
 
 
-def test_a_learnt_size_compiles_in_the_workers_which_the_learning_starts(fake_workers, monkeypatch):
+def test_a_learnt_size_compiles_in_the_workers_which_the_learning_starts(fake_workers):
     # Up front, no static size listed: the build starts no worker. The learning starts them at its
     # first learnt size and sends every distinct piece there, off this process's GIL.
     from tessera import learn
 
-    monkeypatch.setattr(
-        "tessera.size_learning.shared_pool",
-        lambda count, priority: fake_workers.FakePool() if count else None,
-    )
     model = toy_llama.build(num_layers=2)
     compiled = tessera.compile(
         model,
