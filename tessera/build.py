@@ -33,9 +33,7 @@ from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn, prefetch
 from tessera.compile_pool import CompilePool, workers_for
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.compilers import (
-    Compiler,
-)
+from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Shape, Size, size_label
 from tessera.errors import TesseraWarning
 from tessera.layout import output_layout
