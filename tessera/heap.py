@@ -63,12 +63,17 @@ class Heap:
     """Full collections held off while background threads run (one per process: ``HEAP``)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: the collection ``_release`` runs under it can finalize a compiled model, whose
+        # ``dropped`` takes it again on the same thread (a plain lock deadlocked there: seen on
+        # torch 2.15.0, a model dropped by the thread that ended the last window).
+        self._lock = threading.RLock()
         self._holders = 0
         self._threshold: tuple[int, ...] | None = None  # the thresholds before the first holder
         self.freezes = 0  # the heap froze this many times
         self._collect_frozen = False  # a model dropped while held: walk everything before the freeze
         self._walking = False  # a model dropped: the frozen heap being walked
+        self._releasing = False  # ``_release``'s collection is running (on the thread holding the lock)
+        self._dropped_meanwhile = False  # a model it finalized owes a walk of the frozen heap
 
     def hold(self) -> None:
         """No automatic full collection until the matching ``release``: taken by the thread that
@@ -104,9 +109,17 @@ class Heap:
         if gc.isenabled():
             # The young garbage goes now (a young collection is cheap); what is in the oldest
             # generation stays, frozen. A model dropped meanwhile: the frozen heap is walked too.
-            if self._collect_frozen:
-                gc.unfreeze()
-            _collect(2 if self._collect_frozen else 1)
+            walk, self._releasing, self._dropped_meanwhile = self._collect_frozen, True, False
+            try:
+                if walk:
+                    gc.unfreeze()
+                _collect(2 if walk else 1)
+                if self._dropped_meanwhile:  # that collection finalized a model it did not walk for
+                    if not walk:
+                        gc.unfreeze()
+                    _collect()
+            finally:
+                self._releasing = False
             self._collect_frozen = False
             gc.freeze()  # moves the generations' lists whole: no object is visited
             self.freezes += 1
@@ -129,6 +142,9 @@ class Heap:
         with self._lock:
             if self.freezes == freezes or self._walking or not gc.isenabled():
                 return  # no freeze since it was made: its cycles are the collector's as usual
+            if self._releasing:  # finalized by ``_release``'s collection: it walks once that ends
+                self._dropped_meanwhile = True
+                return
             if self._holders:
                 self._collect_frozen = True
                 return
@@ -146,7 +162,7 @@ class Heap:
         The child starts with nothing held, no walk in progress (a parent's thread that walked is
         not in the child), and its threshold back. A walk the parent owed (``_collect_frozen``) is
         owed here too: the dropped model's parts are in the child's frozen heap as well."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._holders = 0
         self._walking = False
         previous, self._threshold = self._threshold, None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -250,3 +252,36 @@ def test_inductor_defaults_run_no_full_collection_while_compiling_and_equal_eage
     refs = {"the model": weakref.ref(model), "the compiled model": weakref.ref(compiled)}
     del model, compiled
     assert _alive(refs) == []
+
+
+def test_a_model_finalized_by_the_collection_at_the_freeze_does_not_deadlock_and_is_walked_for():
+    # The last holder's release collects under the heap's lock; a compiled model in that garbage is
+    # finalized there, on the same thread, and its drop takes the lock again. In a child: a
+    # deadlock there would hang this process's heap.
+    script = """if True:
+        import gc, weakref
+        from tessera import heap
+        walks = []
+        collect = heap._collect
+        heap._collect = lambda *a: walks.append(a) or collect(*a)
+        HEAP = heap.HEAP
+        HEAP.hold()
+        HEAP.release()  # one freeze: a model made before it owes a walk when dropped
+        HEAP.hold()
+        class Model:
+            pass
+        model = Model()
+        model.cycle = model  # garbage only a collection finds
+        weakref.finalize(model, HEAP.dropped, 0, {})
+        del model
+        HEAP.release()
+        print(walks, HEAP.freezes, gc.get_threshold()[2])
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    walks, freezes, threshold = done.stdout.rsplit(" ", 2)
+    # The young collection at the freeze finalized it; then one walk of the whole heap (a full
+    # collection, no generation), and the threshold put back.
+    assert walks == "[(1,), (1,), ()]" and freezes == "2" and int(threshold) < 2**30, done.stdout
