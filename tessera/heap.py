@@ -164,7 +164,7 @@ class Heap:
         owed here too: the dropped model's parts are in the child's frozen heap as well."""
         self._lock = threading.RLock()
         self._holders = 0
-        self._walking = False
+        self._walking = self._releasing = False  # a parent's thread that was releasing is not here
         previous, self._threshold = self._threshold, None
         current = gc.get_threshold()
         if previous is not None and current[2:] == (_NEVER,):
