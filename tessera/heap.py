@@ -59,6 +59,14 @@ def generational() -> bool:
     return bool(gil) and gc.get_threshold()[2] > 0
 
 
+def _deferred(when: int | None, new: int) -> int | None:
+    """Dynamo's saved threshold, swapped (``_compat.swap_deferred_gc_threshold``); imported here,
+    not at the top: ``Heap`` itself needs no torch."""
+    from tessera._compat import swap_deferred_gc_threshold
+
+    return swap_deferred_gc_threshold(when, new)
+
+
 class Heap:
     """Full collections held off while background threads run (one per process: ``HEAP``)."""
 
@@ -82,8 +90,12 @@ class Heap:
         with self._lock:
             self._holders += 1
             if self._holders == 1 and generational():
-                self._threshold = gc.get_threshold()
-                gc.set_threshold(*self._threshold[:2], _NEVER)
+                current = gc.get_threshold()
+                # A Dynamo compile running now raised it, and puts back what it saved when it ends:
+                # that is held off too, and the threshold to restore is the one it saved.
+                saved = _deferred(None, _NEVER)
+                self._threshold = current if saved is None else (*current[:2], saved)
+                gc.set_threshold(*current[:2], _NEVER)
 
     def release(self) -> None:
         """End a ``hold``; the last one freezes the heap and puts the threshold back."""
@@ -129,6 +141,7 @@ class Heap:
         current = gc.get_threshold()
         if current[2:] == (_NEVER,):  # not changed meanwhile by the user
             gc.set_threshold(*current[:2], *previous[2:])
+        _deferred(_NEVER, previous[2])  # a compile that began while held puts this back, not ours
 
     def dropped(self, freezes: int, parts: dict[str, Any]) -> None:
         """A compiled model is gone, made when the heap had frozen ``freezes`` times; ``parts`` is

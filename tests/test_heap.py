@@ -3,6 +3,7 @@ the last one ends (heap.py): the pauses a request would wait for are gone, nothi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -122,6 +123,45 @@ def test_thresholds_the_user_set_meanwhile_are_theirs_and_a_disabled_collector_i
         kept = [[i] for i in range(1000)]  # tracked, alive at the end: a freeze would take them
     assert gc.get_freeze_count() == frozen  # the user collects by hand: nothing to freeze for
     assert gc.get_threshold() == before and len(kept) == 1000
+
+
+@contextlib.contextmanager
+def _dynamo_compiling(monkeypatch) -> Iterator[None]:
+    """A Dynamo compile's window on full collections: torch's own (2.15 on), else its behaviour
+    (the oldest generation's threshold raised to at least 1000, the saved one put back at the end)."""
+    from torch._dynamo import utils
+
+    if hasattr(utils, "deferred_full_gc"):
+        with utils.deferred_full_gc():
+            yield
+        return
+    monkeypatch.setattr(utils, "_gc_threshold_lock", threading.Lock(), raising=False)
+    monkeypatch.setattr(utils, "_gc_threshold_saved", gc.get_threshold(), raising=False)
+    gc.set_threshold(*gc.get_threshold()[:2], max(gc.get_threshold()[2], 1000))
+    yield
+    gc.set_threshold(*utils._gc_threshold_saved)
+    utils._gc_threshold_saved = None
+
+
+def test_a_dynamo_compile_across_either_end_of_the_window_leaves_the_threshold_as_it_was(monkeypatch):
+    before = gc.get_threshold()
+    held = Heap()
+    # Begun inside the window, ended after it: Dynamo saved the raised threshold, and (before)
+    # put it back for good: no full collection ever again.
+    held.hold()
+    with _dynamo_compiling(monkeypatch):
+        held.release()
+        assert gc.get_threshold() == before  # collections resume, though the compile still runs
+    assert gc.get_threshold() == before
+    # Begun before the window, ended inside it: still held until the window ends.
+    with _dynamo_compiling(monkeypatch):
+        held.hold()
+    try:
+        assert gc.get_threshold()[2] > 10**6
+    finally:
+        held.release()
+    assert gc.get_threshold() == before
+    gc.unfreeze()
 
 
 def test_a_forked_child_starts_with_nothing_held_and_owes_the_walk_its_parent_owed():

@@ -84,6 +84,7 @@ from tessera._compat.runtime import (
     interpreter_exiting as interpreter_exiting,
     join_before_pools_shut as join_before_pools_shut,
     openmp_runtime as openmp_runtime,
+    swap_deferred_gc_threshold as swap_deferred_gc_threshold,
     trace_artifact as trace_artifact,
 )
 from tessera._compat.shapes import SymbolMaker as SymbolMaker, symbol_facts as symbol_facts
@@ -111,7 +112,6 @@ log = logging.getLogger(__name__)
 # Dynamo installs the compiled graph as a global of the traced function's module named with this
 # prefix; tessera finds those globals by it. Checked on torch 2.11, 2.13: private, no public name.
 COMPILED_FN_PREFIX = "__compiled_fn"
-
 
 # The torch releases this module was checked on (tests/test_compat.py, docs/versions.md).
 # Checked on torch 2.11-2.15: outside this range UntestedTorchWarning fires; no private state read.

@@ -1,5 +1,5 @@
-"""nn.Module's hooks, torch's structured trace, the order of thread joins at exit and OpenMP's
-thread count.
+"""nn.Module's hooks, torch's structured trace, the order of thread joins at exit, Dynamo's deferred
+full collections and OpenMP's thread count.
 
 Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
 """
@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -126,6 +127,34 @@ def interpreter_exiting() -> bool:
     run) CPython 3.11 still reports the main thread alive; the private ``threading._SHUTTING_DOWN``
     is set first. Checked on torch 2.11, 2.13 (CPython 3.10-3.13's private flag; no torch API)."""
     return bool(getattr(threading, "_SHUTTING_DOWN", False)) or not threading.main_thread().is_alive()
+
+
+# -- Dynamo's deferred full collections --------------------------------------------------------
+def swap_deferred_gc_threshold(when: int | None, new: int) -> int | None:
+    """The oldest generation's threshold Dynamo saved when its running compile raised it, or None
+    when no compile holds one; made ``new`` when it was ``when`` (any, for None).
+
+    Reason: from torch 2.15, Dynamo raises that threshold while it compiles and puts back what it
+    saved when its outermost compile ends (``torch._dynamo.utils.deferred_full_gc``, process-wide,
+    like tessera's ``heap.Heap``). A compile that began while tessera held full collections off
+    saved tessera's raised threshold, and put it back for good after tessera's window closed: no
+    full collection ran again in that process (seen on torch 2.15.0, a background trace ending
+    between a compile's start and end). A compile that began before tessera's window put the
+    threshold down inside it. The heap swaps the saved value at both ends of its window, under
+    Dynamo's own lock. Dynamo not imported: no compile runs. Checked on torch 2.13.0 (absent:
+    None) and 2.15.0 (``_gc_threshold_lock``, ``_gc_threshold_saved``).
+    """
+    utils = sys.modules.get("torch._dynamo.utils")
+    lock = getattr(utils, "_gc_threshold_lock", None)
+    if lock is None:
+        return None
+    with lock:
+        saved = getattr(utils, "_gc_threshold_saved", None)
+        if saved is None:
+            return None
+        if when is None or saved[2] == when:
+            utils._gc_threshold_saved = (*saved[:2], new)  # type: ignore[union-attr]
+        return int(saved[2])
 
 
 # -- OpenMP's thread count ------------------------------------------------------------------------
