@@ -6,6 +6,7 @@ blamed on; the transformed code object's portable form is ``portable.py``'s.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -28,6 +29,8 @@ from tessera.errors import (
 )
 
 log = logging.getLogger(__name__)
+# Dynamo installs each trace's compiled graph in its entry frame's globals (``entry_frame``).
+atexit.register(_compat.keep_dynamo_names_at_exit, __name__)
 
 DynamicDims = Mapping[str, int | tuple[int, ...]]
 

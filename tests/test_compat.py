@@ -472,6 +472,24 @@ def test_trace_artifact_is_silent_without_torch_trace():
     _compat.trace_artifact("tessera_test", lambda: "payload", in_compile=False)
 
 
+def test_dynamos_clean_up_hooks_for_tesseras_entry_frames_are_dropped_and_others_kept():
+    from torch._dynamo import utils
+
+    if not hasattr(utils, "_cleanup_owners"):
+        pytest.skip("this torch's clean-up hooks read no module global at exit (before 2.15)")
+    x, y = torch.randn(3), torch.randn(3)
+    ours, theirs = tessera.compile(two_inputs, backend="eager"), torch.compile(two_inputs, backend="eager")
+    ours(x, y, 2), theirs(x, y, 2)  # theirs: the user's own, in this module's globals
+
+    def scopes() -> set[str]:
+        hooks = utils.CleanupManager.instance.values.values()
+        return {hook.scope.get("__name__") for some in hooks for hook in some}
+
+    assert {"tessera.wrapper", __name__} <= scopes()
+    _compat.keep_dynamo_names_at_exit("tessera.wrapper")
+    assert "tessera.wrapper" not in scopes() and __name__ in scopes()
+
+
 # -- the supported range -----------------------------------------------------------------------------
 def test_the_installed_torch_is_in_the_tested_range_and_others_warn_once(monkeypatch):
     assert _compat.untested_torch() is None, torch.__version__

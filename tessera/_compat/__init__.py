@@ -83,6 +83,7 @@ from tessera._compat.runtime import (
     has_forward_hooks as has_forward_hooks,
     interpreter_exiting as interpreter_exiting,
     join_before_pools_shut as join_before_pools_shut,
+    keep_dynamo_names_at_exit as keep_dynamo_names_at_exit,
     openmp_runtime as openmp_runtime,
     swap_deferred_gc_threshold as swap_deferred_gc_threshold,
     trace_artifact as trace_artifact,
@@ -109,8 +110,7 @@ from tessera._compat.tensors import (
 
 log = logging.getLogger(__name__)
 
-# Dynamo installs the compiled graph as a global of the traced function's module named with this
-# prefix; tessera finds those globals by it. Checked on torch 2.11, 2.13: private, no public name.
+# Dynamo's prefix for a compiled graph installed in its module. Checked on torch 2.11, 2.13: private.
 COMPILED_FN_PREFIX = "__compiled_fn"
 
 # The torch releases this module was checked on (tests/test_compat.py, docs/versions.md).

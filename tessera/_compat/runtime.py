@@ -157,6 +157,28 @@ def swap_deferred_gc_threshold(when: int | None, new: int) -> int | None:
         return int(saved[2])
 
 
+# -- Dynamo's clean-up at exit ----------------------------------------------------------------
+def keep_dynamo_names_at_exit(module: str) -> None:
+    """At the interpreter's exit: drop Dynamo's clean-up hooks for the names it installed in the
+    globals of ``module``'s frames (those whose ``__name__`` it is). The names stay, and the
+    globals end with the process.
+
+    Reason: torch 2.15's hook (``torch._dynamo.utils.CleanupHook``, run when a compiled code object
+    dies) reads its module's ``_cleanup_owners``, which CPython's teardown sets to None before the
+    module's other names (an underscore's go first). A code object that dies after that, one a
+    compiled model kept until ``__main__`` was torn down, printed "Exception ignored in ...
+    'NoneType' object has no attribute 'pop'" as the process exited (seen on torch 2.15.0 after a
+    failed and retried trace). Checked on torch 2.13.0 (no ``_cleanup_owners``: nothing to drop)
+    and 2.15.0 (``CleanupManager.instance.values``: code id -> its list of hooks).
+    """
+    utils = sys.modules.get("torch._dynamo.utils")
+    if getattr(utils, "_cleanup_owners", None) is None:
+        return
+    for hooks in list(utils.CleanupManager.instance.values.values()):  # type: ignore[union-attr]
+        if isinstance(hooks, list):
+            hooks[:] = [hook for hook in hooks if getattr(hook, "scope", {}).get("__name__") != module]
+
+
 # -- OpenMP's thread count ------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class OpenMP:
