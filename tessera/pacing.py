@@ -10,10 +10,14 @@ shortened while one runs, so a call that starts gets the GIL at once. Under a st
 between calls the background would never run; it then takes a slice of a third of a served call's
 typical time after waiting six of them in all, so a call is slower by a fraction of itself, and
 the background still finishes (under a stream with gaps it runs in the gaps). A call that lasts
-more than twice the typical one may be waiting for what the background holds (a lock, the trace
-it needs): the background then runs as long as it waited before it waits again, so no call waits
-long on a background that waits on it, and a call slow for another reason is not slowed further
-for all its length. A call served as traced while compiles run also leaves them a core
+more than three times the typical one may be waiting for what the background holds (a lock, the
+trace it needs): the background then runs as long as it waited before it waits again, so no call
+waits long on a background that waits on it, and a call slow for another reason is not slowed
+further for all its length. Three, not two: a call the background runs beside waits for the GIL
+at each of its ops, and a call slow for another reason (the machine) at twice the typical one was
+made 3-4x by it (tiny BERT's eager calls beside its trace, 2-core CPU: 1.2-4.6 ms of GIL waits in
+calls of 4-8 ms, measured with a shim timing ``pthread_cond_timedwait``); a typical call learnt
+from compiled calls is also shorter than eager's. A call served as traced while compiles run also leaves them a core
 (``served_threads.py``): pacing frees the GIL, and that frees a core.
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
@@ -34,7 +38,7 @@ from typing import Any
 from tessera import served_threads
 
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
-_WAIT = 2.0  # typical calls the background waits before it takes a slice
+_WAIT = 3.0  # typical calls the background waits before it runs beside a long call
 _MIN_WAIT = 0.002
 _STARVED = 6.0  # typical calls waited, in all, before the background takes a slice
 _SWITCH = 0.00005  # seconds: the switch interval while a thread is paced

@@ -308,7 +308,7 @@ def test_a_call_that_waits_for_what_a_paced_thread_holds_does_not_wait_on_its_pa
     finally:
         stop.set()
         thread.join()
-    # The paced thread waits two typical calls, then runs as long as it waited: the lock comes at
+    # The paced thread waits three typical calls, then runs as long as it waited: the lock comes at
     # about half its own speed (3x its time alone, measured), not at the speed of its slices (a
     # third of a typical call after six: about 1/20). Its own speed is measured here, as the
     # machine and the suite's heap make it.
@@ -372,6 +372,23 @@ def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
 
 
 @pytest.mark.timing
+def test_a_paced_thread_does_not_run_beside_a_call_of_less_than_three_typical_ones():
+    # A call slow for another reason (the machine) at twice eager's typical time or more is not
+    # made slower still: the paced thread, run beside it, takes the GIL from each of its ops.
+    with _spinning() as ticks:
+        _learn_typical_call()
+        during = []
+        for _ in range(5):
+            start = ticks[0]
+            with PACER.serving():
+                time.sleep(2.6 * PACER.typical)
+            during.append(ticks[0] - start)
+            time.sleep(0.01)
+    # A step or so per call (the one under way when it starts); running beside it, thousands.
+    assert max(during) < 100, during
+
+
+@pytest.mark.timing
 def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_its_length():
     with _spinning() as ticks:
         _learn_typical_call()
@@ -382,7 +399,7 @@ def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_
         with PACER.serving():  # 60 typical calls long, waiting on nothing the thread holds
             time.sleep(0.3)
         during = ticks[0] - start
-    # The thread waits two typical calls, runs as long, and waits again: about half its quiet
+    # The thread waits three typical calls, runs as long, and waits again: about half its quiet
     # speed (it ran the whole call, after its first wait, before).
     assert quiet > 0 and 0.2 * quiet < during < 0.75 * quiet, (quiet, during)
 
