@@ -30,8 +30,15 @@ that holds it) counts. Printed per model:
   compiled; ``traces_landed_s``: when each trace that serves landed, from process start;
 - ``max_abs_diff``: tessera's outputs for fixed inputs, after the stream, against eager's.
 
+With ``--gil-clock`` (Linux, glibc; ``benchmarks/gil_clock.py``) every process also times its
+serving thread's waits for the GIL, and each slow call gives how long of its lateness was a wait
+for the GIL (the rest: a wait for a core after its sleep) and how long it waited for the GIL while
+it ran; ``slow_call_causes`` counts the slow calls by the largest of the four parts of their time
+over eager's median (``late_for_the_gil``, ``late_for_a_core``, ``gil_in_call``, ``on_its_core``:
+the call itself ran slowly, its core shared or its caches cold).
+
 ``python -m benchmarks.first_minute [--models toy4,toy16,bert,vit] [--seconds 60]
-[--priorities low,normal] [--threads 1]``
+[--priorities low,normal] [--threads 1] [--gil-clock]``
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import as_installed, child_env, header
+from benchmarks import as_installed, child_env, gil_clock, header
 
 START = time.perf_counter()  # as close to process start as Python lets a script be
 MODELS = ("toy4", "toy16", "bert", "vit")
@@ -126,6 +133,8 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         os._exit(0)
     rng = random.Random(0)
     calls: list[dict[str, Any]] = []
+    gil = gil_clock.reader()  # None unless --gil-clock preloaded the clock
+    gil_mark = gil() if gil else 0.0
     stream_start = time.perf_counter()
     traced_at = ready_at = None
     with torch.inference_mode():
@@ -134,14 +143,18 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         stage = getattr(getattr(model, "stage", None), "value", "eager")
         due = time.perf_counter()
         while time.perf_counter() - stream_start < seconds:
+            gil_start = gil() if gil else 0.0
             start = time.perf_counter()
             _first(model(*args))
             end = time.perf_counter()
+            gil_end = gil() if gil else 0.0
             now = end - stream_start
             # A request waits from when it is due, not from when this thread got the GIL back: a
             # collection or another thread that held the GIL through the sleep delayed it as much.
             late = max(0.0, start - due)
             call = {"at": round(now, 4), "size": size, "seconds": end - start + late, "late": late}
+            if gil:  # waits for the GIL since the sleep began: after it (late), and in the call
+                call.update(gil_late=gil_start - gil_mark, gil_in=gil_end - gil_start)
             calls.append({**call, "stage": stage})
             if impl != "eager":
                 if traced_at is None and stage == "ready":
@@ -154,6 +167,7 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
             args = inputs(size)
             stage = getattr(getattr(model, "stage", None), "value", "eager")
             due = time.perf_counter() + gap
+            gil_mark = gil() if gil else 0.0
             time.sleep(gap)
         steady = []
         if impl != "eager":
@@ -261,6 +275,17 @@ def _long_collections(ours: dict[str, Any]) -> dict[str, int]:
     return long
 
 
+CAUSES = ("late_for_the_gil", "late_for_a_core", "gil_in_call", "on_its_core")
+
+
+def _cause(call: dict[str, Any], median: float) -> str:
+    """What most of a slow call's time over eager's median went to (``--gil-clock``)."""
+    late_gil = min(call["gil_late"], call["late"])
+    ran = call["seconds"] - call["late"] - call["gil_in"] - median
+    parts = (late_gil, call["late"] - late_gil, call["gil_in"], ran)
+    return CAUSES[max(range(len(parts)), key=parts.__getitem__)]
+
+
 def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -292,7 +317,8 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     # The slow calls on the process's time axis (the timeline's), with what ran beside them: the
     # background step (trace, compile, load) whose span covers the call, if any.
     offset = ours.get("stream_start", 0.0)
-    slow = []
+    slow: list[list[Any]] = []
+    causes = dict.fromkeys(CAUSES, 0)
     for call, ratio in zip(ours["calls"], stream, strict=True):
         if ratio > 2:
             at = call["at"] + offset
@@ -305,7 +331,12 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
                 if s <= at and s + ms / 1e3 >= began
             ]
             late_ms = round(call["late"] * 1e3, 1)
-            slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, beside[:4]])
+            if "gil_in" in call:
+                gil_ms = [round(call["gil_late"] * 1e3, 1), round(call["gil_in"] * 1e3, 1)]
+                causes[_cause(call, medians[call["size"]])] += 1
+                slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, *gil_ms, beside[:4]])
+            else:
+                slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, beside[:4]])
     return {
         "eager_first_output_s": round(eager["first_output"], 3),
         "tessera_first_output_s": round(ours["first_output"], 3),
@@ -317,7 +348,10 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "calls_over_2x_by_stage": over_by_stage,
         "worst_call_stage_and_second": [ours["calls"][worst]["stage"], ours["calls"][worst]["at"]],
         "p99_call_ratio": p99(stream),
-        "slow_calls": slow[:40],  # [second from process start, stage, ratio, ms late, beside]
+        # [second from process start, stage, ratio, ms late, (--gil-clock: ms of it for the GIL, ms
+        # waiting for the GIL in the call,) beside]
+        "slow_calls": slow[:40],
+        **({"slow_call_causes": causes} if "gil_in" in (ours["calls"] or [{}])[0] else {}),
         "calls": len(stream),
         "eager_worst_call_ratio": round(max(eager_stream), 2),
         "eager_calls_over_2x": sum(r > 2 for r in eager_stream),
@@ -366,6 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         "On the 2-core CPU, 1 removes the machine's own noise: eager's calls on two threads "
         "stall for 10-20 ms eight times a second, on one they do not (benchmarks/eager_noise.py)",
     )
+    parser.add_argument(
+        "--gil-clock",
+        action="store_true",
+        help="time each process's waits for the GIL (benchmarks/gil_clock.py): why a slow call was slow",
+    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_output_runs < 0 or (args.seconds <= 0 and not args.child):
@@ -375,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(name, impl, args.seconds, args.gap, args.threads)))
         return 0
     as_installed()
+    if args.gil_clock:  # every child from here on, and only children: child_env copies os.environ
+        os.environ.update(gil_clock.preload_env(gil_clock.build()))
     result: dict[str, Any] = {**header("first_minute"), "seconds": args.seconds, "gap": args.gap}
     result["threads"] = args.threads or "default"
     for name in args.models.split(","):

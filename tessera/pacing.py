@@ -16,9 +16,9 @@ waits long on a background that waits on it, and a call slow for another reason 
 further for all its length. Three, not two: a call the background runs beside waits for the GIL
 at each of its ops, and a call slow for another reason (the machine) at twice the typical one was
 made 3-4x by it (tiny BERT's eager calls beside its trace, 2-core CPU: 1.2-4.6 ms of GIL waits in
-calls of 4-8 ms, measured with a shim timing ``pthread_cond_timedwait``); a typical call learnt
-from compiled calls is also shorter than eager's. A call served as traced while compiles run also leaves them a core
-(``served_threads.py``): pacing frees the GIL, and that frees a core.
+calls of 4-8 ms, ``benchmarks/first_minute.py --gil-clock``); a typical call learnt from compiled
+calls is also shorter than eager's. A call served as traced while compiles run also leaves them a
+core (``served_threads.py``): pacing frees the GIL, and that frees a core.
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace

@@ -11,11 +11,12 @@ from pathlib import Path
 from benchmarks import child_env
 
 
-def _child(tmp_path: Path, *args: str) -> dict[str, object]:
+def _child(tmp_path: Path, *args: str, **extra: str) -> dict[str, object]:
     env = child_env(
         TESSERA_CACHE_DIR=str(tmp_path / "tessera"),
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
         TESSERA_BACKEND="eager",
+        **extra,
     )
     done = subprocess.run(
         [sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=600, check=False
@@ -45,6 +46,60 @@ def test_first_minutes_tessera_child_reports_its_stream_and_when_its_trace_lande
     assert any(gen == 2 and where == "MainThread" and ms > 1 for _, ms, gen, where in collections)
     before = [c for c in collections if c[0] < result["stream_start"]]  # type: ignore[operator]
     assert before and "gen2" not in _long_collections({**result, "collections": before})
+
+
+SPIN = """if True:
+    import threading, time
+    from benchmarks import gil_clock
+    waited = gil_clock.reader()
+    stop = time.perf_counter() + 0.5
+
+    def spin():
+        while time.perf_counter() < stop:
+            pass
+
+    before = waited()
+    thread = threading.Thread(target=spin)
+    thread.start()
+    spin()  # both threads want the GIL all along: each waits for about half of it
+    thread.join()
+    print(waited() - before)
+"""
+
+
+def test_the_gil_clock_times_a_threads_waits_and_first_minute_splits_its_slow_calls_by_them(
+    tmp_path: Path,
+) -> None:
+    from benchmarks import gil_clock
+    from benchmarks.first_minute import _cause
+
+    preload = gil_clock.preload_env(gil_clock.build(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", SPIN],
+        env=child_env(**preload),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 0.05 < float(done.stdout) < 2, done.stdout  # seconds (about 0.25), not a count or garbage
+    assert gil_clock.reader() is None  # not preloaded in this process
+    args = ("--child", "toy4", "eager", "--seconds", "0.5", "--gap", "0.01")
+    calls = _child(tmp_path, "benchmarks.first_minute", *args, **preload)["calls"]
+    assert isinstance(calls, list) and calls
+    assert all(0 <= call["gil_late"] < 1 and 0 <= call["gil_in"] < 1 for call in calls), calls[:3]
+    median = 0.002
+    assert _cause({"seconds": 0.009, "late": 0.004, "gil_late": 0.003, "gil_in": 0.001}, median) == (
+        "late_for_the_gil"
+    )
+    assert _cause({"seconds": 0.0055, "late": 0.003, "gil_late": 0.0005, "gil_in": 0.0}, median) == (
+        "late_for_a_core"
+    )
+    assert (
+        _cause({"seconds": 0.007, "late": 0.0002, "gil_late": 0.0, "gil_in": 0.004}, median) == "gil_in_call"
+    )
+    assert _cause({"seconds": 0.006, "late": 0.0002, "gil_late": 0.0, "gil_in": 0.0}, median) == "on_its_core"
 
 
 def test_eager_noises_compiled_child_counts_its_calls(tmp_path: Path) -> None:
