@@ -318,6 +318,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     # background step (trace, compile, load) whose span covers the call, if any.
     offset = ours.get("stream_start", 0.0)
     slow: list[list[Any]] = []
+    clocked = bool(ours["calls"]) and "gil_in" in ours["calls"][0]  # --gil-clock
     causes = dict.fromkeys(CAUSES, 0)
     for call, ratio in zip(ours["calls"], stream, strict=True):
         if ratio > 2:
@@ -331,7 +332,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
                 if s <= at and s + ms / 1e3 >= began
             ]
             late_ms = round(call["late"] * 1e3, 1)
-            if "gil_in" in call:
+            if clocked:
                 gil_ms = [round(call["gil_late"] * 1e3, 1), round(call["gil_in"] * 1e3, 1)]
                 causes[_cause(call, medians[call["size"]])] += 1
                 slow.append([round(at, 3), call["stage"], round(ratio, 2), late_ms, *gil_ms, beside[:4]])
@@ -351,7 +352,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         # [second from process start, stage, ratio, ms late, (--gil-clock: ms of it for the GIL, ms
         # waiting for the GIL in the call,) beside]
         "slow_calls": slow[:40],
-        **({"slow_call_causes": causes} if "gil_in" in (ours["calls"] or [{}])[0] else {}),
+        **({"slow_call_causes": causes} if clocked else {}),
         "calls": len(stream),
         "eager_worst_call_ratio": round(max(eager_stream), 2),
         "eager_calls_over_2x": sum(r > 2 for r in eager_stream),

@@ -71,7 +71,7 @@ def test_the_gil_clock_times_a_threads_waits_and_first_minute_splits_its_slow_ca
     tmp_path: Path,
 ) -> None:
     from benchmarks import gil_clock
-    from benchmarks.first_minute import _cause
+    from benchmarks.first_minute import _cause, _compare
 
     preload = gil_clock.preload_env(gil_clock.build(tmp_path))
     done = subprocess.run(
@@ -100,6 +100,23 @@ def test_the_gil_clock_times_a_threads_waits_and_first_minute_splits_its_slow_ca
         _cause({"seconds": 0.007, "late": 0.0002, "gil_late": 0.0, "gil_in": 0.004}, median) == "gil_in_call"
     )
     assert _cause({"seconds": 0.006, "late": 0.0002, "gil_late": 0.0, "gil_in": 0.0}, median) == "on_its_core"
+    # The comparison counts the clocked calls by cause, and says nothing of causes unclocked.
+    eager = {"first_output": 1, "steady_median": 1, "outputs": [[1.0]]}
+    eager["calls"] = [{"at": 0.1, "size": 1, "seconds": median, "late": 0.0, "stage": "eager"}] * 3
+    slow = {**eager["calls"][0], "seconds": 0.01, "gil_late": 0.0, "gil_in": 0.006}
+    ours = {**eager, "calls": [slow] * 3, "seconds_to_traced": None, "seconds_to_ready": None}
+    ours["traces_landed_s"] = {}
+    compared = _compare(eager, ours)
+    assert compared["slow_call_causes"]["gil_in_call"] == 3 and compared["slow_calls"][0][3:6] == [
+        0.0,
+        0.0,
+        6.0,
+    ]
+    unclocked = {
+        **ours,
+        "calls": eager["calls"][:1] + [{k: v for k, v in slow.items() if k[:3] != "gil"}] * 2,
+    }
+    assert "slow_call_causes" not in _compare(eager, unclocked)
 
 
 def test_eager_noises_compiled_child_counts_its_calls(tmp_path: Path) -> None:
