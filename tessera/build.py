@@ -31,11 +31,12 @@ from tessera.cache.key import (
 )
 from tessera.cache.remote import RemoteTier
 from tessera.cache.sharing import compile_turn, prefetch
-from tessera.compile_pool import CompilePool, workers_for
+from tessera.compile_pool import CompilePool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Shape, Size, size_label
 from tessera.errors import TesseraWarning
+from tessera.fan_out import workers_for
 from tessera.layout import output_layout
 from tessera.listed_shapes import describe, input_text, piece_statics, read_shapes
 from tessera.piece import (
@@ -325,7 +326,7 @@ def _background(split_model: SplitModel) -> bool:
 
 
 def _compile_pool(split_model: SplitModel, pieces_args: list[Sequence[Any]]) -> CompilePool | None:
-    """The compile workers, when some of this model can go to them (``compile_pool.workers_for``):
+    """The compile workers, when some of this model can go to them (``fan_out.workers_for``):
     CPU pieces with a size and static compile sizes for them, or CPU pieces whose general artifacts
     compile in the background while they serve as traced."""
     on_cpu = [fake for fake in pieces_args if _on_cpu(fake)]

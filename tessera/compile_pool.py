@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import os
 import pickle
@@ -28,24 +27,13 @@ import select
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, Any
 
 from tessera import counters
 from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
-from tessera.compile_state import COMPILE_LOCK
-from tessera.config import SizeRange, size_label
-from tessera.errors import CompilerError
-
-if TYPE_CHECKING:
-    from tessera.artifact_cache import ArtifactCache, CompileOutcome
-    from tessera.compile_state import CompileState
-    from tessera.compilers import CompilesInWorkers
-    from tessera.config import CompileConfig
-    from tessera.work import Job
+from tessera.worker_pause import PAUSE
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +74,8 @@ class _Worker(threading.Thread):
         super().__init__(name=f"tessera-compile-worker-{number}", daemon=True)
         self.pool = pool
         self.process: subprocess.Popen[bytes] | None = None
-        self.ready = False  # the process said READY
+        self.start_problem: str | None = None  # why it did not (it was then stopped)
+        self.started_up = threading.Event()  # set once it said READY or was given up on
         self.starting = threading.Lock()  # the pool's start and this thread's first job race
 
     def ensure_process(self) -> None:
@@ -97,7 +86,7 @@ class _Worker(threading.Thread):
 
     def start_process(self) -> None:
         try:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-c", "from tessera.compile_worker import main; main()"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -107,7 +96,23 @@ class _Worker(threading.Thread):
         except OSError as e:
             log.warning("cannot start a compile worker (%s); compiling in this process", e)
             self.process = None
-        self.ready = False
+            return
+        self.process, self.start_problem = process, None
+        self.started_up = started_up = threading.Event()
+        # Its imports (seconds of CPU) are work beside the served calls: stopped while one is
+        # (worker_pause.py), until it says READY, which a thread of its own waits for.
+        self.pool.busy(process.pid)
+        waiter = threading.Thread(
+            target=self._await_start, args=(process, started_up), name=f"{self.name}-start", daemon=True
+        )
+        waiter.start()
+
+    def _await_start(self, process: subprocess.Popen[bytes], started_up: threading.Event) -> None:
+        try:
+            self.start_problem = self._wait_ready(process)
+        finally:
+            self.pool.idle(process.pid)
+            started_up.set()
 
     def _wait_ready(self, process: subprocess.Popen[bytes]) -> str | None:
         """None once the worker said READY; else why not (it is then stopped)."""
@@ -120,10 +125,8 @@ class _Worker(threading.Thread):
             said = None
             log.debug("compile worker %d: %s: %s", process.pid, type(e).__name__, e)
         if said == READY:
-            self.ready = True
             return None
-        process.kill()
-        process.wait()
+        self.pool.kill(process)
         if not readable:
             return f"compile worker {process.pid} did not start within {START_SECONDS:.0f}s"
         return f"compile worker {process.pid} did not start (exit status {process.returncode})"
@@ -136,15 +139,21 @@ class _Worker(threading.Thread):
                 result = self.serve(payload)
             replies.put(Reply(tag, result))
 
-    def serve(self, payload: bytes) -> JobDone | JobFailed:
+    def serve(self, payload: bytes) -> JobFailed | JobDone:
         self.ensure_process()  # started by the pool, or now; one that died is replaced
         process = self.process
         if process is None:
             return JobFailed("no compile worker could be started")
-        if not self.ready:
-            problem = self._wait_ready(process)
-            if problem is not None:
-                return JobFailed(problem)
+        self.started_up.wait()
+        if self.start_problem is not None:
+            return JobFailed(self.start_problem)
+        self.pool.busy(process.pid)  # stopped while calls are served (worker_pause.py)
+        try:
+            return self._job(process, payload)
+        finally:
+            self.pool.idle(process.pid)
+
+    def _job(self, process: subprocess.Popen[bytes], payload: bytes) -> JobDone | JobFailed:
         stdin: IO[bytes] | None = process.stdin
         stdout: IO[bytes] | None = process.stdout
         assert stdin is not None and stdout is not None
@@ -152,8 +161,7 @@ class _Worker(threading.Thread):
             write_message(stdin, payload)
             answered, _, _ = select.select([stdout], [], [], JOB_SECONDS)
             if not answered:
-                process.kill()
-                process.wait()
+                self.pool.kill(process)
                 return JobFailed(
                     f"compile worker {process.pid} did not finish its job within {JOB_SECONDS:.0f}s "
                     "and was stopped"
@@ -163,8 +171,7 @@ class _Worker(threading.Thread):
             result = None
             log.debug("compile worker %d: %s: %s", process.pid, type(e).__name__, e)
         if not isinstance(result, (JobDone, JobFailed)):
-            process.kill()
-            process.wait()
+            self.pool.kill(process)
             return JobFailed(f"compile worker {process.pid} exited with status {process.returncode}")
         return result
 
@@ -172,14 +179,14 @@ class _Worker(threading.Thread):
         process = self.process
         if process is None:
             return
+        self.pool.forget(process.pid)  # a stopped worker cannot read the end of its stdin
         if process.stdin is not None:
             with contextlib.suppress(OSError):
                 process.stdin.close()  # the worker's loop ends at the end of its stdin
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            self.pool.kill(process)
 
 
 class CompilePool:
@@ -225,6 +232,25 @@ class CompilePool:
 
         return PACER.compiling()
 
+    def busy(self, pid: int) -> None:
+        """Worker ``pid`` starts or compiles: stopped while a call is served (worker_pause.py);
+        not at "normal" priority, where nothing gives way."""
+        if self.priority != "normal":
+            PAUSE.busy(pid)
+
+    def idle(self, pid: int) -> None:
+        if self.priority != "normal":
+            PAUSE.idle(pid)
+
+    def forget(self, pid: int) -> None:
+        PAUSE.forget(pid)
+
+    def kill(self, process: subprocess.Popen[bytes]) -> None:
+        """End a worker given up on (it is then replaced at the next job)."""
+        self.forget(process.pid)
+        process.kill()
+        process.wait()
+
     def stop(self) -> None:
         for worker in self.workers:
             worker.stop()
@@ -264,207 +290,3 @@ def shared_pool(count: int, priority: str = "low") -> CompilePool | None:
             # so no job is in flight when the workers are told to stop.
             atexit.register(pool.stop)
         return pool
-
-
-@dataclass(frozen=True)
-class _Sent:
-    """The tag a job's reply carries: the job, its artifact's key, when it was submitted."""
-
-    job: Job
-    key: str
-    submitted: float
-
-
-class WorkerFanOut:
-    """One compile round's static sizes, handed to the compile workers, and their artifacts
-    installed (``install``) as the replies come in.
-
-    Identical pieces (transformer layers) send one job: the others take its artifact as shared
-    once it is in, as they would from a compile here, so the entry is the same. A job the workers
-    cannot take is compiled by the caller (``send`` says False); one that failed in a worker is
-    compiled here, and ``on_failure`` told."""
-
-    def __init__(
-        self,
-        pool: CompilePool,
-        compiler: CompilesInWorkers,
-        artifact_cache: ArtifactCache,
-        config: CompileConfig,
-        state: CompileState,
-        install: Callable[[Job, CompileOutcome], None],
-        on_failure: Callable[[Job, str], None],
-    ) -> None:
-        self.pool = pool
-        self.compiler = compiler
-        self.artifact_cache = artifact_cache
-        self.config = config
-        self.state = state
-        self.install = install
-        self.on_failure = on_failure
-        self.replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
-        self.leaders: dict[str, Job] = {}  # artifact key -> the job that compiles it
-        self.followers: dict[str, list[Job]] = {}  # artifact key -> identical pieces' jobs
-        self.waiting = 0  # jobs sent whose reply is not in yet
-
-    def send(self, job: Job) -> bool:
-        """Hand ``job`` to the workers; False when the caller must compile it (a range, or the
-        workers cannot take it)."""
-        size, item = job.size, job.work.item
-        if isinstance(size, SizeRange):
-            return False
-        key = self.artifact_cache.content_key(job.work.content, size)
-        if key in self.leaders:
-            self.followers.setdefault(key, []).append(job)
-            return True
-        with COMPILE_LOCK:
-            counters.bump("backend_compilations")  # as ArtifactCache.get counts each artifact asked for
-            found = self.artifact_cache.find(item.graph, size, item.index, key)
-            if found is not None:  # in the cache already: no compile at all
-                self.install(job, found)
-                return True
-            scratch = self.artifact_cache.scratch_name(size, item.index)
-            piece_job = self.compiler.job(item.graph, job.work.inputs(size)(), self.config, size, scratch)
-        if piece_job is not None:
-            piece_job = dataclasses.replace(piece_job, state=self.state)
-        if piece_job is None or not self.pool.submit(
-            piece_job, _Sent(job, key, time.perf_counter()), self.replies
-        ):
-            return False
-        self.leaders[key] = job
-        self.waiting += 1
-        return True
-
-    def take_replies(self, block: bool) -> None:
-        """Install what the workers finished (waiting for one reply when ``block``)."""
-        while self.waiting:
-            try:
-                reply = self.replies.get(block=block)
-            except queue.Empty:
-                return
-            self.waiting -= 1
-            block = False
-            sent: _Sent = reply.tag
-            job, item = sent.job, sent.job.work.item
-            with COMPILE_LOCK:
-                outcome = self._outcome(reply, job, sent.key)
-                if outcome is None:  # the worker failed: compiled here after all
-                    outcome = self.artifact_cache.compile(
-                        item.graph, job.work.inputs(job.size), job.size, item.index, sent.key
-                    )
-                self.install(job, outcome)
-                for twin in self.followers.pop(sent.key, []):
-                    shared = self.artifact_cache.get(
-                        twin.work.item.graph, _no_inputs, twin.size, twin.work.item.index, sent.key
-                    )
-                    self.install(twin, shared)
-            log.debug(
-                "%s (%s) from a compile worker after %.2fs",
-                item.name,
-                job.size,
-                time.perf_counter() - sent.submitted,
-            )
-
-    def finish(self) -> None:
-        """Wait for every job sent, installing each."""
-        while self.waiting:
-            self.take_replies(block=True)
-
-    def _outcome(self, reply: Reply, job: Job, key: str) -> CompileOutcome | None:
-        """The artifact a worker compiled, recorded in the entry; None if the worker failed (the
-        piece is then compiled here: a worker never makes a compile fail)."""
-        done = reply.result
-        if isinstance(done, JobDone):
-            try:
-                fn, handle = self.compiler.finish(done)
-            except CompilerError as e:
-                done = JobFailed(str(e))
-            else:
-                assert not isinstance(job.size, SizeRange), "ranges are never sent"
-                return self.artifact_cache.record_compiled(
-                    fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
-                )
-        self.on_failure(job, done.error)
-        return None
-
-
-def _no_inputs() -> Sequence[Any]:
-    return ()  # an identical piece's artifact is in the cache by then: nothing is compiled
-
-
-class FanOutOwner(Protocol):
-    """What a fan-out is made from: a model's pieces (split_model.SplitModel)."""
-
-    pool: CompilePool | None
-    compiler: Any
-    artifact_cache: ArtifactCache
-    config: CompileConfig
-    state: CompileState
-
-
-def workers_for(owner: FanOutOwner, graph_pool: object, general: bool) -> CompilePool | None:
-    """The process's compile workers for ``owner``'s compiles (started at the first use), or None
-    where they cannot take them: ``compile_workers=0``, a compiler that does not compile in workers,
-    no cache entry (a worker's artifact reaches this process through it), or CUDA graphs
-    (``graph_pool``: a capture needs every size at install). ``compile_workers`` unset:
-    ``default_count(general)``."""
-    from tessera.compilers import CompilesInWorkers
-
-    if graph_pool is not None or not isinstance(owner.compiler, CompilesInWorkers):
-        return None
-    if owner.artifact_cache.entry is None:
-        return None
-    count = owner.config.compile_workers
-    return shared_pool(
-        default_count(general=general) if count is None else count, owner.config.background_priority
-    )
-
-
-def worker_fan_out(
-    owner: FanOutOwner,
-    install: Callable[[Job, CompileOutcome], None],
-    on_failure: Callable[[Job, str], None],
-) -> WorkerFanOut | None:
-    """A fan-out of ``owner``'s compiles to its workers; None when it has none, or a compiler
-    that cannot use them."""
-    from tessera.compilers import CompilesInWorkers
-
-    if owner.pool is None or not isinstance(owner.compiler, CompilesInWorkers):
-        return None
-    return WorkerFanOut(
-        owner.pool, owner.compiler, owner.artifact_cache, owner.config, owner.state, install, on_failure
-    )
-
-
-def obtain_all(jobs: Sequence[Job], fan_out: WorkerFanOut | None, here: Callable[[Job], None]) -> None:
-    """Every job obtained: sent to the workers where they take it (at once: they compile there
-    while the rest compile here), the others by ``here`` in order, the workers' artifacts installed
-    as they come in; returns when every one is in."""
-    kept = [job for job in jobs if fan_out is None or not fan_out.send(job)]
-    for job in kept:
-        here(job)
-        if fan_out is not None:
-            fan_out.take_replies(block=False)
-    if fan_out is not None:
-        fan_out.finish()
-
-
-def warn_once(prefix: str) -> Callable[[Job, str], None]:
-    """A fan-out's ``on_failure`` for one model (``prefix``): the first worker failure is warned
-    (the piece is compiled here instead), the others only logged."""
-    said = False
-
-    def failed(job: Job, error: str) -> None:
-        nonlocal said
-
-        level = logging.DEBUG if said else logging.WARNING
-        said = True
-        log.log(
-            level,
-            "%s: a compile worker failed on %s (%s: %s); compiling here instead",
-            prefix,
-            job.work.item.name,
-            size_label(job.size),
-            error,
-        )
-
-    return failed

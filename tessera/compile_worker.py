@@ -49,8 +49,25 @@ def run(job: PieceJob) -> JobDone:
     return JobDone(handle, time.perf_counter() - start, counts, os.getpid())
 
 
+def _own_group() -> None:
+    """Put this worker, and the C++ compilers it starts, in a process group of their own, in the
+    parent's session: the parent stops the group while it serves a call (worker_pause.py), and a
+    group left stopped by a parent that died is continued and hung up by the kernel (an orphaned
+    process group), which ends it. Writes to the terminal from a group not in its foreground would
+    stop the worker where the terminal says so (``stty tostop``): ignored, they are written."""
+    import contextlib
+    import signal
+
+    if hasattr(os, "setpgid"):
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: stopped alone, its compilers run on
+            os.setpgid(0, 0)
+    if hasattr(signal, "SIGTTOU"):
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+
+
 def main() -> None:
     """Serve jobs until stdin closes."""
+    _own_group()
     jobs = sys.stdin.buffer
     results = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the imports and the compile print must not corrupt the result stream

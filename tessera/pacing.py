@@ -18,7 +18,9 @@ at each of its ops, and a call slow for another reason (the machine) at twice th
 made 3-4x by it (tiny BERT's eager calls beside its trace, 2-core CPU: 1.2-4.6 ms of GIL waits in
 calls of 4-8 ms, ``benchmarks/first_minute.py --gil-clock``); a typical call learnt from compiled
 calls is also shorter than eager's. A call served as traced while compiles run also leaves them a
-core (``served_threads.py``): pacing frees the GIL, and that frees a core.
+core (``served_threads.py``): pacing frees the GIL, and that frees a core. The compile workers,
+processes of their own, are stopped while a call is served, within the same bounds
+(``worker_pause.py``).
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
@@ -36,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tessera import served_threads
+from tessera.worker_pause import PAUSE
 
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
 _WAIT = 3.0  # typical calls the background waits before it runs beside a long call
@@ -49,6 +52,7 @@ class Pacer:
 
     def __init__(self) -> None:
         self.threads = 0  # read by every served call: nonzero while some background thread is paced
+        self._local = threading.local()  # ``depth``: the served calls this thread is in
         self._lock = threading.Lock()
         self._serving = 0
         self._quiet = threading.Event()  # set while no call is being served
@@ -67,10 +71,14 @@ class Pacer:
     def serving(self, eagerly: bool = False) -> Iterator[None]:
         """Count a call being served: paced background threads wait while one is. A call not
         served ``eagerly`` leaves a core to each compile running (served_threads.py)."""
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
         with self._lock:
             self._serving += 1
             if self._serving == 1:
                 self._quiet.clear()
+            typical = self.typical
+            PAUSE.call_started(self._serving, max(_MIN_WAIT, _WAIT * typical), _STARVED * typical, typical)
         full = None if eagerly or not self.compiles else served_threads.leave_cores(self.compiles)
         start = time.perf_counter()
         try:
@@ -83,8 +91,14 @@ class Pacer:
                 self._serving -= 1
                 if not self._serving:
                     self._quiet.set()
+                PAUSE.call_ended(self._serving, max(_MIN_WAIT, _WAIT * self.typical))
                 self._known = True
                 self.typical = 0.8 * self.typical + 0.2 * min(took, 2 * self.typical)
+            local.depth -= 1
+
+    def in_call(self) -> bool:
+        """Whether the calling thread is serving a call (counted by ``serving``)."""
+        return bool(getattr(self._local, "depth", 0))
 
     def measured(self, seconds: float) -> None:
         """A call's time measured before any call was counted (the eager call that starts the first

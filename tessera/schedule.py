@@ -18,9 +18,9 @@ from tessera.background import start_thread
 from tessera.cache.index import index_key
 from tessera.cache.remote import FleetWaitAbandoned, RemoteTier
 from tessera.cache.sharing import compile_turn
-from tessera.compile_pool import obtain_all, warn_once, worker_fan_out
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.config import CompileConfig, Size, size_label
+from tessera.fan_out import obtain_all, warn_once, worker_fan_out
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
 

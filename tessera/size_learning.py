@@ -18,16 +18,11 @@ import torch
 from tessera import counters
 from tessera.artifact_cache import ArtifactCache, CompileOutcome
 from tessera.background import start_thread
-from tessera.compile_pool import (
-    CompilePool,
-    obtain_all,
-    warn_once,
-    worker_fan_out,
-    workers_for,
-)
+from tessera.compile_pool import CompilePool
 from tessera.compile_state import COMPILE_LOCK, CompileState
 from tessera.compilers import Compiler
 from tessera.config import CompileConfig, Shape, Size, size_label, static_size
+from tessera.fan_out import obtain_all, warn_once, worker_fan_out, workers_for
 from tessera.learn import Counted, SizeLearner, SizeTally
 from tessera.piece import PieceRecord, free_symbols, shape_sources
 from tessera.piece_inputs import fixed, inputs_at

@@ -49,6 +49,23 @@ def test_lowering_a_thread_leaves_the_others_and_normal_changes_nothing():
     assert in_thread(normal) == (False, before)
 
 
+@linux_only
+def test_a_compile_worker_at_low_runs_at_sched_idle_and_at_nice_19_where_that_is_refused(monkeypatch):
+    # It is stopped while a call is served (worker_pause.py) and holds no GIL of the server's: a
+    # woken served thread then takes its core at once, where nice 19 lets it finish its slice.
+    def lowered() -> tuple[bool, int, int]:
+        return priority.lower_process("low"), os.sched_getscheduler(0), _nice()
+
+    assert in_thread(lowered)[:2] == (True, os.SCHED_IDLE)
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    assert in_thread(lowered) == (True, os.SCHED_OTHER, priority.LOW_NICE)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER and _nice() != priority.LOW_NICE
+
+
 def test_elsewhere_than_linux_a_thread_is_left_as_it_is(monkeypatch):
     # There a priority is the whole process's: lowering "one thread" would slow the served calls.
     monkeypatch.setattr(sys, "platform", "darwin")

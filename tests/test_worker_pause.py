@@ -1,0 +1,270 @@
+"""Compile workers are stopped while a call is served and run between the calls (worker_pause.py):
+real processes for the stop and the continue, a made-up clock for the bounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tessera import worker_pause
+from tessera.compile_pool import CompilePool
+from tessera.fan_out import unblock_workers
+from tessera.pacing import PACER
+from tessera.worker_pause import PAUSE, WorkerPause
+
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads a process's state from /proc (Linux)"
+)
+SPIN = "from tessera.compile_worker import _own_group; _own_group()\nwhile True: pass"
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (R running, S sleeping, T stopped, Z ended); "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def spinner() -> Iterator[int]:
+    """A process busy on a core, in a group of its own as a compile worker is."""
+    process = subprocess.Popen([sys.executable, "-c", SPIN], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    _until(lambda: os.getpgid(process.pid) == process.pid, "the spinner made its group")
+    yield process.pid
+    PAUSE.forget(process.pid)
+    process.kill()
+    process.wait()
+
+
+@linux_only
+def test_a_busy_worker_is_stopped_for_each_served_call_and_runs_between_them(spinner):
+    PAUSE.busy(spinner)
+    try:
+        for _ in range(3):
+            stops = PAUSE.stops
+            with PACER.serving():
+                assert PAUSE.stopped() == [spinner]
+                _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            assert PAUSE.stops == stops + 1
+            _until(lambda: _state(spinner) == "R", "the spinner runs again after the call")
+    finally:
+        PAUSE.idle(spinner)
+    with PACER.serving():  # no longer busy: left alone
+        assert PAUSE.stopped() == []
+        assert _state(spinner) == "R"
+
+
+@linux_only
+def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spinner, monkeypatch):
+    # A continued compiler can take the sender's core for a whole slice of the kernel's: the call's
+    # caller must not wait for that.
+    senders: list[tuple[int, int]] = []
+    real = worker_pause._signal
+
+    def recording(pid, sig, hold_gil=True):
+        senders.append((sig, threading.get_ident()))
+        return real(pid, sig, hold_gil)
+
+    monkeypatch.setattr(worker_pause, "_signal", recording)
+    PAUSE.busy(spinner)
+    try:
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+        _until(lambda: any(sig == signal.SIGCONT for sig, _ in senders), "a SIGCONT went out")
+        _until(lambda: _state(spinner) == "R", "the spinner runs again")
+    finally:
+        PAUSE.idle(spinner)
+    me = threading.get_ident()
+    assert (signal.SIGSTOP, me) in senders
+    continued = [who for sig, who in senders if sig == signal.SIGCONT]
+    assert continued and me not in continued
+
+
+@linux_only
+def test_a_served_call_that_waits_on_the_workers_lets_them_run(spinner):
+    PAUSE.busy(spinner)
+    try:
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            unblock_workers()  # what WorkerFanOut.take_replies does before it blocks
+            _until(lambda: _state(spinner) == "R", "the worker runs inside the call that waits on it")
+            with PACER.serving():  # a nested call does not stop it again
+                assert _state(spinner) == "R"
+        with PACER.serving():  # the next call does
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the next call", 1.0)
+    finally:
+        PAUSE.idle(spinner)
+    _until(lambda: _state(spinner) == "R", "the spinner runs once it is idle")
+
+
+@linux_only
+def test_a_served_call_that_outlasts_the_look_lets_the_workers_run(spinner, monkeypatch):
+    # A call waiting on something a stopped worker holds (a lock of the cache's) would never end.
+    monkeypatch.setattr(worker_pause, "_LOOK", 0.05)
+    PAUSE.busy(spinner)
+    try:
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            _until(lambda: _state(spinner) == "R", "the continuing thread lets it run in the call")
+    finally:
+        PAUSE.idle(spinner)
+
+
+def test_outside_a_served_call_waiting_on_the_workers_changes_nothing(spinner):
+    PAUSE.busy(spinner)
+    try:
+        stops = PAUSE.stops
+        unblock_workers()
+        with PACER.serving():
+            assert PAUSE.stopped() == [spinner]
+        assert PAUSE.stops == stops + 1
+    finally:
+        PAUSE.idle(spinner)
+
+
+@linux_only
+def test_a_stopped_worker_whose_parent_dies_ends(tmp_path):
+    parent = textwrap.dedent(
+        f"""
+        import os, signal, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {SPIN!r}])
+        while os.getpgid(child.pid) != child.pid:
+            time.sleep(0.01)
+        os.killpg(child.pid, signal.SIGSTOP)
+        print(child.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", parent],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert process.stdout is not None
+    child = int(process.stdout.readline())
+    _until(lambda: _state(child) == "T", "the child is stopped")
+    process.kill()  # no atexit, no handler: as an OOM kill or a crash ends a server
+    process.wait()
+    # Its group lost its last parent in the session while stopped: SIGHUP, then SIGCONT, end it.
+    _until(lambda: _state(child) in ("", "Z"), "the orphaned stopped worker ended", timeout=30)
+
+
+@linux_only
+def test_a_starting_pool_worker_is_stopped_while_a_call_is_served():
+    pool = CompilePool(1)
+    try:
+        pool.start()  # importing torch and Inductor: seconds of work
+        worker = pool.workers[0]
+        assert worker.process is not None
+        pid = worker.process.pid
+        with PACER.serving():
+            assert PAUSE.stopped() == [pid]
+            _until(lambda: _state(pid) == "T", "the starting worker is stopped in the call", 1.0)
+        assert worker.started_up.wait(180) and worker.start_problem is None
+        with PACER.serving():  # started, waiting for a job: nothing to stop
+            assert PAUSE.stopped() == []
+    finally:
+        pool.stop()
+    assert worker.process.returncode == 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def made_up(monkeypatch) -> tuple[WorkerPause, _Clock, list[tuple[int, int]]]:
+    """A pause of its own on a made-up clock, whose signals are recorded, not sent."""
+    clock, sent = _Clock(), []
+
+    def record(pid, sig, hold_gil=True):
+        sent.append((pid, sig))
+        return True
+
+    monkeypatch.setattr(worker_pause, "time", clock)
+    monkeypatch.setattr(worker_pause, "_signal", record)
+    monkeypatch.setattr(worker_pause, "_LOOK", 1e6)  # the continuing thread's looks: not in these
+    pause = WorkerPause()
+    pause.busy(7)
+    return pause, clock, sent
+
+
+TYPICAL = 0.25  # seconds, exact in binary: the made-up clock adds it up without rounding
+WAIT, STARVED = 3 * TYPICAL, 6 * TYPICAL
+
+
+def _stream(pause: WorkerPause, clock: _Clock, calls: int, gap: float, length: float = TYPICAL) -> list[bool]:
+    """Serve ``calls`` calls one after the other: whether the worker was stopped for each."""
+    stopped = []
+    for _ in range(calls):
+        pause.call_started(1, WAIT, STARVED, TYPICAL)
+        stopped.append(bool(pause.stopped()))
+        clock.now += length
+        pause.call_ended(0, WAIT)
+        clock.now += gap
+    return stopped
+
+
+def test_with_a_typical_calls_gap_between_calls_every_call_stops_the_workers(made_up):
+    pause, clock, _ = made_up
+    assert _stream(pause, clock, 50, gap=TYPICAL) == [True] * 50
+
+
+def test_with_no_gap_between_calls_one_call_in_seven_runs_beside_the_workers(made_up):
+    pause, clock, _ = made_up
+    stopped = _stream(pause, clock, 70, gap=0.0)
+    # Six typical calls stopped, then the seventh runs beside them, and the count starts again.
+    assert stopped == ([True] * 6 + [False]) * 10
+
+
+def test_overlapping_calls_keep_the_workers_stopped_at_most_the_wait(made_up):
+    pause, clock, _ = made_up
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    assert pause.stopped() == [7]
+    clock.now += WAIT / 2
+    pause.call_started(2, WAIT, STARVED, TYPICAL)  # a second thread's call: within the wait
+    assert pause.stopped() == [7]
+    clock.now += WAIT
+    pause.call_ended(1, WAIT)  # the first ends, the second still runs: the wait is over
+    assert pause.stopped() == []
+    pause.call_started(2, WAIT, STARVED, TYPICAL)  # and they run until no call is served
+    assert pause.stopped() == []
+    pause.call_ended(1, WAIT)
+    pause.call_ended(0, WAIT)
+    clock.now += TYPICAL
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    assert pause.stopped() == [7]
+
+
+def test_a_continue_not_sent_yet_when_the_next_call_starts_leaves_the_workers_stopped(made_up, monkeypatch):
+    pause, clock, sent = made_up
+    monkeypatch.setattr(pause, "_continue_asked", lambda: None)  # the continuing thread never gets to it
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    clock.now += TYPICAL
+    pause.call_ended(0, WAIT)
+    assert pause.stopped() == []
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    assert pause.stopped() == [7]
+    assert sent == [(7, signal.SIGSTOP)]  # one SIGSTOP, no SIGCONT: the second call found it stopped
