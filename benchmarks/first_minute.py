@@ -191,6 +191,8 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "learnt": [str(s) for s in getattr(report, "learnt_sizes", ())],
         "compiled_here": sum(a.worker is None for a in compiled),
         "compiled_by_worker": sum(a.worker is not None for a in compiled),
+        # The times the compile workers were stopped for a served call (tessera/worker_pause.py).
+        "worker_stops": _worker_stops(),
         "traces_landed_s": landed,
         "timeline": spans,
         "stream_start": stream_start - START,
@@ -202,6 +204,11 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "seconds_to_ready": ready_at,
         "outputs": [o.tolist() for o in outputs],
     }
+
+
+def _worker_stops() -> int:
+    pause = sys.modules.get("tessera.worker_pause")  # imported by tessera's own models only
+    return pause.PAUSE.stops if pause is not None else 0
 
 
 def _record_collections() -> list[list[Any]]:
@@ -365,6 +372,7 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "learnt": ours.get("learnt", []),
         "compiled_here": ours.get("compiled_here"),
         "compiled_by_worker": ours.get("compiled_by_worker"),
+        "worker_stops": ours.get("worker_stops"),
         # Garbage collections of over 5 ms in tessera's process during the stream, by generation.
         "collections_over_5ms": _long_collections(ours),
         "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),

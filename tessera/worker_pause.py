@@ -184,26 +184,35 @@ class WorkerPause:
 
     def _continue_asked(self) -> None:
         while True:
-            with self._lock:
-                while not self._to_continue:
-                    # While workers are busy, a look every _LOOK seconds: a call that waits on
-                    # something a stopped worker holds (a lock of the cache's) ends that way.
-                    self._asked.wait(_LOOK if self._busy else None)
-                    now = time.perf_counter()
-                    if self._stopped and now - self._since >= _LOOK:
-                        log.debug(
-                            "a served call kept the compile workers stopped %.2fs: let run", now - self._since
-                        )
-                        self._let_run = True
-                        self._continue(now)
-                pids, self._to_continue = self._to_continue, []
-            for pid in pids:  # outside the lock: a call that starts meanwhile does not wait for it
-                _signal(pid, _CONT, hold_gil=False)
-            with self._lock:
-                # A call started between the lock's release and the signal: stopped again for it.
-                again = [pid for pid in pids if pid in self._stopped]
-            for pid in again:
-                _signal(pid, _STOP)
+            try:
+                self._continue_once()
+            except Exception:  # a worker left stopped for good would never answer: never end here
+                log.exception("continuing the compile workers failed; trying again")
+                with self._lock:
+                    self._to_continue.extend(p for p in self._busy if p not in self._to_continue)
+                    self._asked.wait(_LOOK)  # not a loop that spins on a failure that lasts
+
+    def _continue_once(self) -> None:
+        with self._lock:
+            while not self._to_continue:
+                # While workers are busy, a look every _LOOK seconds: a call that waits on
+                # something a stopped worker holds (a lock of the cache's) ends that way.
+                self._asked.wait(_LOOK if self._busy else None)
+                now = time.perf_counter()
+                if self._stopped and now - self._since >= _LOOK:
+                    log.debug(
+                        "a served call kept the compile workers stopped %.2fs: let run", now - self._since
+                    )
+                    self._let_run = True
+                    self._continue(now)
+            pids, self._to_continue = self._to_continue, []
+        for pid in pids:  # outside the lock: a call that starts meanwhile does not wait for it
+            _signal(pid, _CONT, hold_gil=False)
+        with self._lock:
+            # A call started between the lock's release and the signal: stopped again for it.
+            again = [pid for pid in pids if pid in self._stopped]
+        for pid in again:
+            _signal(pid, _STOP)
 
     def after_fork(self) -> None:
         """A forked child has none of these workers, nor the continuing thread."""

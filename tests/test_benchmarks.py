@@ -37,6 +37,8 @@ def test_first_minutes_tessera_child_reports_its_stream_and_when_its_trace_lande
     assert isinstance(landed, dict) and list(landed) == ["trace 1"], landed
     assert 0 < landed["trace 1"] < 600
     assert len(result["outputs"]) == 4  # type: ignore[arg-type]
+    stops = result["worker_stops"]  # the workers' stops for served calls (tessera/worker_pause.py)
+    assert isinstance(stops, int) and stops >= 0
     # The full collection the child runs before its model (every process pays it there) is
     # recorded, and is not counted as one of the stream's.
     from benchmarks.first_minute import _long_collections

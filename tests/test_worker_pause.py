@@ -268,3 +268,22 @@ def test_a_continue_not_sent_yet_when_the_next_call_starts_leaves_the_workers_st
     pause.call_started(1, WAIT, STARVED, TYPICAL)
     assert pause.stopped() == [7]
     assert sent == [(7, signal.SIGSTOP)]  # one SIGSTOP, no SIGCONT: the second call found it stopped
+
+
+def test_a_continue_that_fails_is_tried_again(made_up, monkeypatch, caplog):
+    pause, clock, sent = made_up
+    monkeypatch.setattr(worker_pause, "_LOOK", 0.01)
+    failures = [RuntimeError("a signal that failed")]
+
+    def once_failing(pid, sig, hold_gil=True):
+        if sig == signal.SIGCONT and failures:
+            raise failures.pop()
+        sent.append((pid, sig))
+        return True
+
+    monkeypatch.setattr(worker_pause, "_signal", once_failing)
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    clock.now += TYPICAL
+    pause.call_ended(0, WAIT)
+    _until(lambda: (7, signal.SIGCONT) in sent, "the worker is continued after the failure")
+    assert "continuing the compile workers failed" in caplog.text
