@@ -53,8 +53,11 @@ def _own_group() -> None:
     """Put this worker, and the C++ compilers it starts, in a process group of their own, in the
     parent's session: the parent stops the group while it serves a call (worker_pause.py), and a
     group left stopped by a parent that died is continued and hung up by the kernel (an orphaned
-    process group), which ends it. Writes to the terminal from a group not in its foreground would
-    stop the worker where the terminal says so (``stty tostop``): ignored, they are written."""
+    process group), which ends it: SIGHUP is put back to its default here, since a server started
+    under ``nohup`` passes its ignoring on to every process it starts (a worker that ignored it was
+    continued and went on, in CI). Being in a group of its own, the worker gets no hangup of the
+    terminal's (the foreground group's). Writes to the terminal from a group not in its foreground
+    would stop the worker where the terminal says so (``stty tostop``): ignored, they are written."""
     import contextlib
     import signal
 
@@ -63,6 +66,8 @@ def _own_group() -> None:
             os.setpgid(0, 0)
     if hasattr(signal, "SIGTTOU"):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def main() -> None:

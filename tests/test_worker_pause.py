@@ -3,6 +3,7 @@ real processes for the stop and the continue, a made-up clock for the bounds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -144,6 +145,7 @@ def test_a_stopped_worker_whose_parent_dies_ends(tmp_path):
     parent = textwrap.dedent(
         f"""
         import os, signal, subprocess, sys, time
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup: passed on to what it starts
         child = subprocess.Popen([sys.executable, "-c", {SPIN!r}])
         while os.getpgid(child.pid) != child.pid:
             time.sleep(0.01)
@@ -160,11 +162,15 @@ def test_a_stopped_worker_whose_parent_dies_ends(tmp_path):
     )
     assert process.stdout is not None
     child = int(process.stdout.readline())
-    _until(lambda: _state(child) == "T", "the child is stopped")
-    process.kill()  # no atexit, no handler: as an OOM kill or a crash ends a server
-    process.wait()
-    # Its group lost its last parent in the session while stopped: SIGHUP, then SIGCONT, end it.
-    _until(lambda: _state(child) in ("", "Z"), "the orphaned stopped worker ended", timeout=30)
+    try:
+        _until(lambda: _state(child) == "T", "the child is stopped")
+        process.kill()  # no atexit, no handler: as an OOM kill or a crash ends a server
+        process.wait()
+        # Its group lost its last parent in the session while stopped: SIGHUP, then SIGCONT, end it.
+        _until(lambda: _state(child) in ("", "Z"), "the orphaned stopped worker ended", timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # not left spinning when the test fails
+            os.kill(child, signal.SIGKILL)
 
 
 @linux_only
