@@ -27,6 +27,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +45,8 @@ START_SECONDS = 180.0
 # deadlock, a C++ compile that never ends): the worker is stopped, the piece compiled by the caller,
 # and a new worker takes the next job. One piece at one size compiles in seconds to minutes.
 JOB_SECONDS = 1800.0
+# How long the workers, told to stop, may take to end, all together, before they are killed.
+STOP_SECONDS = 10.0
 
 
 def default_count(general: bool = False) -> int:
@@ -175,16 +178,24 @@ class _Worker(threading.Thread):
             return JobFailed(f"compile worker {process.pid} exited with status {process.returncode}")
         return result
 
-    def stop(self) -> None:
+    def tell_to_stop(self) -> None:
+        """Close the worker's stdin: its loop ends there (``wait_stopped`` waits for it)."""
         process = self.process
         if process is None:
             return
         self.pool.forget(process.pid)  # a stopped worker cannot read the end of its stdin
         if process.stdin is not None:
             with contextlib.suppress(OSError):
-                process.stdin.close()  # the worker's loop ends at the end of its stdin
+                process.stdin.close()
+
+    def wait_stopped(self, deadline: float) -> None:
+        """Wait until ``deadline`` (``time.monotonic``) for the worker to end, then kill it: it has
+        no job by then, and its artifacts are in the cache."""
+        process = self.process
+        if process is None:
+            return
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.pool.kill(process)
 
@@ -252,8 +263,13 @@ class CompilePool:
         process.wait()
 
     def stop(self) -> None:
+        """End every worker: all told at once, then up to STOP_SECONDS for all of them together (a
+        worker at SCHED_IDLE on a machine kept busy can wait that long for a core to exit in)."""
         for worker in self.workers:
-            worker.stop()
+            worker.tell_to_stop()
+        deadline = time.monotonic() + STOP_SECONDS
+        for worker in self.workers:
+            worker.wait_stopped(deadline)
 
 
 def _worker_env(count: int, priority: str) -> dict[str, str]:

@@ -9,7 +9,10 @@ import logging
 import os
 import queue
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import counters
+from tessera import compile_pool, counters
 from tessera.compile_jobs import JobDone, JobFailed, PieceJob, TensorSpec
 from tessera.compile_pool import CompilePool, Reply
 from tessera.models import toy_llama
@@ -447,3 +450,18 @@ def test_a_graph_with_factory_constants_compiles_in_the_worker_and_the_next_star
         torch.testing.assert_close(warm(x), model(x), msg=f"{b}x{n}, warm")
     counts = counters.snapshot()
     assert counts["inductor_compiles"] == 0 and counts["graphs_traced"] == 0, counts
+
+
+def test_workers_told_to_stop_share_one_deadline_and_are_killed_past_it(monkeypatch):
+    # At SCHED_IDLE on a busy machine a worker's exit can wait long for a core: a process that exits
+    # waits STOP_SECONDS for all its workers together, not for each in turn.
+    monkeypatch.setattr(compile_pool, "STOP_SECONDS", 2.0)
+    pool = CompilePool(3)
+    deaf = "import time; time.sleep(600)"
+    for worker in pool.workers:  # processes that never read their stdin's end
+        worker.process = subprocess.Popen([sys.executable, "-c", deaf], stdin=subprocess.PIPE)
+    start = time.monotonic()
+    pool.stop()
+    took = time.monotonic() - start
+    assert all(w.process is not None and w.process.returncode == -signal.SIGKILL for w in pool.workers)
+    assert 2.0 <= took < 4.5, took  # one after the other: 6 s
