@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from tessera import counters
 from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
-from tessera.worker_pause import PAUSE
+from tessera.worker_pause import PAUSE, kill_worker
 
 log = logging.getLogger(__name__)
 
@@ -257,9 +257,11 @@ class CompilePool:
         PAUSE.forget(pid)
 
     def kill(self, process: subprocess.Popen[bytes]) -> None:
-        """End a worker given up on (it is then replaced at the next job)."""
+        """End a worker given up on, and the compilers it started (it is then replaced at the next
+        job)."""
         self.forget(process.pid)
-        process.kill()
+        if process.poll() is None and not kill_worker(process.pid):
+            process.kill()
         process.wait()
 
     def stop(self) -> None:

@@ -256,6 +256,13 @@ def _signal(pid: int, sig: signal.Signals | None, hold_gil: bool = True) -> bool
     return True
 
 
+def kill_worker(pid: int) -> bool:
+    """SIGKILL worker ``pid`` with the compilers it started (its process group): a worker given up
+    on for a C++ compile that never ended leaves none running. False where there is no SIGKILL."""
+    sig = getattr(signal, "SIGKILL", None)
+    return sig is not None and hasattr(os, "killpg") and _signal(pid, sig)
+
+
 PAUSE = WorkerPause()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=PAUSE.after_fork)

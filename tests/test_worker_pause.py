@@ -128,6 +128,7 @@ def test_a_served_call_that_outlasts_the_look_lets_the_workers_run(spinner, monk
         PAUSE.idle(spinner)
 
 
+@linux_only
 def test_outside_a_served_call_waiting_on_the_workers_changes_nothing(spinner):
     PAUSE.busy(spinner)
     try:
@@ -192,6 +193,33 @@ def test_a_starting_pool_worker_is_stopped_while_a_call_is_served():
     # Ended (told to, or killed after 10 s: at SCHED_IDLE on a machine whose cores the test suite
     # keeps busy, its exit can wait that long for a core).
     assert worker.process.poll() is not None
+
+
+@linux_only
+def test_a_worker_given_up_on_is_killed_with_the_compiler_it_started():
+    # A worker stuck in a C++ compile that never ends is killed after JOB_SECONDS: the compiler too.
+    worker = textwrap.dedent(
+        """
+        import subprocess, sys
+        from tessera.compile_worker import _own_group
+        _own_group()
+        compiler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(compiler.pid, flush=True)
+        compiler.wait()
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", worker], stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
+    assert process.stdout is not None
+    compiler = int(process.stdout.readline())
+    try:
+        CompilePool(0).kill(process)
+        assert process.returncode == -signal.SIGKILL
+        _until(lambda: _state(compiler) in ("", "Z"), "the worker's compiler ended")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(compiler, signal.SIGKILL)
 
 
 class _Clock:
