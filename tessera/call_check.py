@@ -345,14 +345,20 @@ def _stages(spec: CallSpec) -> list[list[Assumption]]:
     """The assumptions by how many string keys they read below an argument: ``kwargs['mask']
     ['full']`` comes after ``tuple(kwargs['mask'])`` (the dict's keys), so a call passing a tensor
     there never indexes it with a string (torch warns of "a non-tuple sequence for
-    multidimensional indexing" before it fails)."""
+    multidimensional indexing" before it fails). Within each, those on the call's arguments come
+    before those on the model and its globals: a call of another size fails at the first tuple,
+    not after reading hundreds of the model's attributes (tiny BERT: 0.2 ms of each call no entry
+    covers, and of each call routed past an entry it is not for)."""
     stages: list[list[Assumption]] = []
     for assumption in spec.assumptions:
-        depth = _key_depth(assumption.expr)
+        depth = 2 * _key_depth(assumption.expr) + (_ARGUMENTS.search(assumption.expr) is None)
         while len(stages) <= depth:
             stages.append([])
         stages[depth].append(assumption)
     return [stage for stage in stages if stage]
+
+
+_ARGUMENTS = re.compile(r"\b(args|kwargs)\b")
 
 
 def _check_namespace(spec: CallSpec, bound: Mapping[str, Any]) -> dict[str, Any]:

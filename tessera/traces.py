@@ -124,6 +124,8 @@ class Traces(SavedTraces):
         self._no_oblivious = False  # torch could not trace this model size-obliviously
         # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
         self.shapes: call_shapes.ShapeRoutes[TraceEntry] = call_shapes.ShapeRoutes()
+        # Calls no entry covered while a trace is in flight: served eagerly at once (call_shapes.py).
+        self.uncovered_calls: call_shapes.UncoveredCalls[TraceEntry] = call_shapes.UncoveredCalls()
         self.beside: Beside | None = None  # eager first: calls no entry covers (beside.py)
         self._fleet_pending = context.fetch_deferred  # the fleet's traces, still to fetch
         self._fetch_lock = threading.Lock()  # one fetch of the fleet's traces (saved_traces.py)
@@ -395,11 +397,15 @@ class Traces(SavedTraces):
         if found is not None and any(e is found.entry for e in self.entries):  # not one held back
             self._serving(found.entry)
             return found.entry.fast(*found.args, **found.kwargs)
+        beside = self.beside if self.beside is not None and self.beside.busy() else None
+        if beside is not None and self.uncovered_calls.known(self.entries, args, kwargs):
+            return beside.missed(args, kwargs)  # a trace in flight: it may cover this
         served = self._serve_existing(args, kwargs)
         if served is not None:
             return served[0]
-        if self.beside is not None and self.beside.busy():  # a trace in flight: it may cover this
-            return self.beside.missed(args, kwargs)
+        if beside is not None:
+            self.uncovered_calls.add(self.entries, args, kwargs)
+            return beside.missed(args, kwargs)
         with self._lock:
             served = self._serve_existing(args, kwargs)  # another thread may have traced it
             if served is None and self.held:

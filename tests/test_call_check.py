@@ -666,3 +666,60 @@ def test_call_shapes_are_bounded_and_read_from_many_threads():
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(call, range(300)))
     assert len(compiled.traces) == 1
+
+
+def test_calls_found_uncovered_are_known_by_their_look_for_one_set_of_entries():
+    from tessera import call_shapes
+
+    uncovered: call_shapes.UncoveredCalls[Any] = call_shapes.UncoveredCalls(limit=3)
+    entries, later = (object(),), (object(), object())
+    x = torch.randn(4, 3)
+    uncovered.add(entries, (x,), {"scale": False})
+    assert uncovered.known(entries, (torch.randn(4, 3),), {"scale": False})  # same look
+    for other in (
+        ((x,), {"scale": True}),  # another value
+        ((x,), {}),  # another syntax
+        ((torch.randn(4, 5),), {"scale": False}),  # another size
+        ((x.t().contiguous().t(),), {"scale": False}),  # another layout
+        ((x.double(),), {"scale": False}),  # another dtype
+        ((x.requires_grad_(),), {"scale": False}),
+    ):
+        assert not uncovered.known(entries, *other)
+    assert not uncovered.known(later, (x,), {"scale": False}), "another set of entries forgets"
+    uncovered.add(later, (x,), {})
+    assert not uncovered.known(entries, (x,), {}) and uncovered.known(later, (x,), {})
+    for n in range(5):  # bounded
+        uncovered.add(later, (torch.randn(n + 1),), {})
+    known = [uncovered.known(later, (torch.randn(n + 1),), {}) for n in range(5)]
+    assert known == [True, True, False, False, False]
+
+
+def test_the_check_compares_the_calls_arguments_before_the_models_values():
+    """A call of another size fails at its arguments' tuple: the model's hundreds of values (a
+    Hugging Face config's) are not read for a call no entry covers."""
+    from tessera import call_check
+
+    class Config:
+        scale = 2.0
+        shift = 1.0
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cfg = Config()
+
+        def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
+            return x * self.cfg.scale + extra["bias"] + self.cfg.shift
+
+    compiled = compile_eager(Scaled())
+    x, extra = torch.randn(4, 3), {"bias": torch.randn(3)}
+    torch.testing.assert_close(compiled(x, extra), x * 2 + extra["bias"] + 1)
+    spec = compiled.traces[0].spec
+    stages = call_check._stages(spec)
+    reads = [[call_check._ARGUMENTS.search(a.expr) is not None for a in stage] for stage in stages]
+    assert all(len(set(stage)) == 1 for stage in reads), "each tuple reads the call or the model"
+    assert reads[0][0], "the call's arguments first"
+    assert any(not stage[0] for stage in reads), "the model's values are checked too"
+    keyed = [i for i, stage in enumerate(stages) if any("['bias']" in a.expr for a in stage)]
+    keys = [i for i, stage in enumerate(stages) if any(a.expr == "tuple(args[1])" for a in stage)]
+    assert keyed and keys and min(keys) < min(keyed), "a dict's keys before its entries"

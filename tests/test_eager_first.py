@@ -469,6 +469,49 @@ def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkey
     assert [e.loaded for e in warm.traces] == [True, True]
 
 
+def test_a_call_found_uncovered_while_a_trace_is_made_is_served_eagerly_without_the_search(monkeypatch):
+    """Calls like one no entry covered go to eager at once while the trace is in flight; a call
+    an entry covers is still served by it, and once the trace lands it serves the rest."""
+    from tessera import traces
+
+    gate, original = threading.Event(), traces.trace_once
+    searches: list[int] = []
+    covering = traces.covering
+
+    def held(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        return original(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        searches.append(1)
+        return covering(*args, **kwargs)
+
+    compiled = tessera.compile(Flag(), backend="eager", disable_cache=True)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(compiled(x), x * 2)
+    assert compiled.wait_traced(60)
+    monkeypatch.setattr(traces, "trace_once", held)
+    monkeypatch.setattr(traces, "covering", counted)
+    with counters.expect(served_eagerly=1):
+        torch.testing.assert_close(compiled(x, False), x + 1)  # uncovered: traced beside, held
+    searches.clear()
+    y = torch.randn(4, 3)
+    with counters.expect(served_eagerly=3):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(y, False), y + 1)  # like it: no search
+    assert searches == [1], "only the first call of the kind searched the entries"
+    with counters.expect(served_eagerly=0):
+        torch.testing.assert_close(compiled(y), y * 2)  # covered by the first trace
+        torch.testing.assert_close(compiled(y, scale=True), y * 2)  # another syntax, covered
+    with counters.expect(served_eagerly=1):
+        torch.testing.assert_close(compiled(torch.ones(4, 3), False), torch.full((4, 3), 2.0))
+    gate.set()
+    assert compiled.wait_traced(60)
+    with counters.expect(served_eagerly=0):
+        torch.testing.assert_close(compiled(y, False), y + 1)  # the new trace serves it
+    assert len(compiled.traces) == 2
+
+
 def test_threads_calling_a_cold_model_at_once_get_eager_outputs_and_one_trace():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).requires_grad_(False)
     compiled = tessera.compile(model, backend="eager")
