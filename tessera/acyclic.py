@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 
@@ -27,9 +28,10 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def define(source: str, filename: str, namespace: dict[str, Any], name: str) -> Callable[..., Any]:
-    """The function ``name`` that our own generated ``source`` defines, executed in ``namespace``
-    and taken out of it: its globals are that namespace, and left there it would hold itself."""
-    exec(compile(source, filename, "exec"), namespace)
+def define(source: str | CodeType, filename: str, namespace: dict[str, Any], name: str) -> Callable[..., Any]:
+    """The function ``name`` that our own generated ``source`` (or its code) defines, executed in
+    ``namespace`` and taken out of it: its globals are that namespace, and left there it would hold
+    itself."""
+    exec(compile(source, filename, "exec") if isinstance(source, str) else source, namespace)
     function: Callable[..., Any] = namespace.pop(name)
     return function

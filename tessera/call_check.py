@@ -400,21 +400,30 @@ def make_checked_call(
         "    return _slow(args, kwargs)\n"
     )
     namespace = {**_check_namespace(spec, bound), "_call": call, "_slow": slow}
-    return define(source, "<tessera call check>", namespace, "checked")  # our own generated source
+    return define(_compiled(source), "<tessera call check>", namespace, "checked")  # our own source
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str) -> CodeType:
+    """A check's code, compiled once for an entry's predicate and its checked call: compiling a
+    Hugging Face model's (hundreds of values) holds the GIL for ~2 ms, beside the served calls."""
+    return compile(source, "<tessera call check>", "exec")
 
 
 def make_predicate(
     spec: CallSpec, bound: Mapping[str, Any]
 ) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
     """The comparison of make_checked_call alone: ``accepts(args, kwargs)``."""
-    source = (
-        "def accepts(args, kwargs):\n"
-        "    try:\n"
-        f"        return bool({_check_source(spec)})\n"
-        "    except Exception:\n"
-        "        return False\n"
-    )
-    return define(source, "<tessera call check>", _check_namespace(spec, bound), "accepts")
+    checked = make_checked_call(spec, _passed, _failed, bound)
+    return lambda args, kwargs: checked(*args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _passed(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+def _failed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return False
 
 
 def tensor_reader(spec: CallSpec, bound: Mapping[str, Any]) -> Callable[..., tuple[Any, ...]]:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tessera import served_threads
+from tessera import _compat, served_threads
 from tessera.worker_pause import PAUSE
 
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
@@ -181,13 +181,27 @@ class Pacer:
                 until[0], waited[0] = now() + _SLICE * self.typical, 0.0
             return None
 
+        long_running = _compat.LONG_RUNNING
+
+        def on_lines(frame: Any, event: str, arg: Any) -> Any:
+            give_way(frame, event, arg)
+            return on_lines
+
+        def on_calls(frame: Any, event: str, arg: Any) -> Any:
+            give_way(frame, event, arg)
+            # Code that runs for milliseconds without a call would hold the GIL beside a served
+            # call for all that time, half of each of its ops: its lines are traced too.
+            code = frame.f_code
+            file = long_running.get(code.co_name)
+            return on_lines if file is not None and code.co_filename.endswith(file) else None
+
         if not counted:
             with self._lock:
                 self._count(1)
-        # Reason: waiting in a trace function (on 'call' events only: no line events, the cheapest
-        # hook CPython 3.10-3.13 all have) hands the GIL over at once. A debugger's trace
-        # function, if any, is put back after.
-        sys.settrace(give_way)
+        # Reason: waiting in a trace function hands the GIL over at once; on 'call' events only
+        # (no line events but in ``long_running_code``): the cheapest hook CPython 3.10-3.13 all
+        # have. A debugger's trace function, if any, is put back after.
+        sys.settrace(on_calls)
         try:
             yield
         finally:

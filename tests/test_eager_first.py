@@ -5,10 +5,12 @@ calls served (pacing.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import pytest
 import torch
@@ -402,6 +404,50 @@ def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_
     # The thread waits three typical calls, runs as long, and waits again: about half its quiet
     # speed (it ran the whole call, after its first wait, before).
     assert quiet > 0 and 0.2 * quiet < during < 0.75 * quiet, (quiet, during)
+
+
+# A loop with no Python call in it, defined in a file of the name pacing knows (the function
+# that tokenizes a source file for Dynamo's line names) and, as a control, under another name.
+_LOOP = """
+def {name}(ticks, stop):
+    while not stop[0]:
+        ticks[0] += 1
+"""
+
+
+def _steps_during_a_call(name: str) -> int:
+    namespace: dict[str, Any] = {}
+    exec(compile(_LOOP.format(name=name), os.path.join("torch", "funcname_cache.py"), "exec"), namespace)
+    loop, ticks, stop = namespace[name], [0], [False]
+
+    def run() -> None:
+        with PACER.paced():
+            loop(ticks, stop)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        while ticks[0] == 0:
+            time.sleep(0.001)
+        _learn_typical_call()
+        during = []
+        for _ in range(3):
+            with PACER.serving():
+                start = ticks[0]
+                time.sleep(2 * PACER.typical)
+                during.append(ticks[0] - start)
+            time.sleep(0.005)
+        return min(during)
+    finally:
+        stop[0] = True
+        thread.join()
+
+
+@pytest.mark.timing
+def test_a_paced_thread_gives_way_inside_the_long_loops_it_knows():
+    # The control: a loop without calls never meets the trace function, and runs beside the call.
+    assert _steps_during_a_call("_unknown_loop") > 10_000
+    assert _steps_during_a_call("_add_file") < 100  # one listed: its lines give way
 
 
 def test_is_compiling_answers_for_the_compiling_thread_only():

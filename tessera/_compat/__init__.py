@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-# The parts kept in modules of their own: every name is used as ``_compat.<name>``.
 from tessera._compat.bytecode import (
     DYNAMO_UTILS_HELPERS as DYNAMO_UTILS_HELPERS,
     LazyModule as LazyModule,
@@ -76,6 +75,7 @@ from tessera._compat.inductor import (
     vec_isa_candidates as vec_isa_candidates,
 )
 from tessera._compat.runtime import (
+    LONG_RUNNING as LONG_RUNNING,
     forward_hooks as forward_hooks,
     global_backward_hooks as global_backward_hooks,
     global_module_hooks as global_module_hooks,

@@ -1,5 +1,5 @@
 """nn.Module's hooks, torch's structured trace, the order of thread joins at exit, Dynamo's deferred
-full collections and OpenMP's thread count.
+full collections, OpenMP's thread count and the long loops a trace runs without a Python call.
 
 Part of tessera._compat (see its docstring): the names are used as ``_compat.<name>``.
 """
@@ -238,3 +238,24 @@ def _loaded_libraries() -> list[str]:
             return sorted(os.path.join(library_dir, name) for name in os.listdir(library_dir))
         except OSError:
             return []
+
+
+# -- long loops without a call ------------------------------------------------------------------
+# The functions a Dynamo trace runs for milliseconds without entering another Python function, so
+# that a trace function on 'call' events alone (pacing.py) gets no chance to give way in them:
+# pacing traces their lines. Found by timing the gaps between a paced trace's 'call' events (tiny
+# BERT and ViT, Python 3.11, torch 2.13), each run once per process:
+# - ``torch._dynamo.funcname_cache._add_file``: Dynamo names each traced line's function from the
+#   tokens of its whole source file, ``tokenize._tokenize`` making them (a long docstring is read
+#   with no call at all) and a loop over them: 1-7 ms per file;
+# - ``torch.overrides.get_testing_overrides``: one dict literal of a thousand lambdas, 5 ms;
+# - ``torch.overrides._get_overridable_functions``: a loop over torch's namespaces, 2-3 ms.
+# Each by its name and the end of its file's path, so that none need be imported to be known
+# (torch._dynamo is imported by the paced trace itself); a name a version lacks is never met.
+# Checked on torch 2.13, 2.15, CPython 3.11 (3.12 tokenizes in one C call: nothing to trace).
+LONG_RUNNING = {
+    "_tokenize": "tokenize.py",
+    "_add_file": "funcname_cache.py",
+    "get_testing_overrides": "overrides.py",
+    "_get_overridable_functions": "overrides.py",
+}
