@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # Seconds between the continuing thread's looks at workers stopped by a call that may wait on them
 # (a few a second, and only while workers are busy: a look that lands in a call takes the GIL).
 _LOOK = 0.25
+# Seconds after the last call served ends before the background runs again (the workers here, the
+# paced threads in pacing.py): the caller's own work with the answer goes first.
+GRACE = 0.001
 _STOP = getattr(signal, "SIGSTOP", None)
 _CONT = getattr(signal, "SIGCONT", None)
 
@@ -205,6 +208,12 @@ class WorkerPause:
                     )
                     self._let_run = True
                     self._continue(now)
+                elif self._to_continue and not self._let_run:
+                    # A call just ended: its caller's own work after it goes first, as a paced
+                    # thread's does (GRACE). A call that starts meanwhile keeps them.
+                    left = self._resumed + GRACE - now
+                    if left > 0:
+                        self._asked.wait(left)
             pids, self._to_continue = self._to_continue, []
         for pid in pids:  # outside the lock: a call that starts meanwhile does not wait for it
             _signal(pid, _CONT, hold_gil=False)
