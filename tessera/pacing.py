@@ -8,8 +8,9 @@ background threads are *paced*: each runs under a trace function that, while a c
 served, waits until it ends (the GIL is then the served call's alone), and the switch interval is
 shortened while one runs, so a call that starts gets the GIL at once. Under a stream with no gap
 between calls the background would never run; it then takes a slice of a third of a served call's
-typical time after waiting six of them in all, so a call is slower by a fraction of itself, and
-the background still finishes (under a stream with gaps it runs in the gaps). A call that lasts
+typical time after waiting six of them with no gap of one between, so a call is slower by a
+fraction of itself, and the background still finishes (under a stream with gaps it runs in the
+gaps). A call that lasts
 more than three times the typical one may be waiting for what the background holds (a lock, the
 trace it needs): the background then runs as long as it waited before it waits again, so no call
 waits long on a background that waits on it, and a call slow for another reason is not slowed
@@ -20,7 +21,10 @@ calls of 4-8 ms, ``benchmarks/first_minute.py --gil-clock``); a typical call lea
 calls is also shorter than eager's. A call served as traced while compiles run also leaves them a
 core (``served_threads.py``): pacing frees the GIL, and that frees a core. The compile workers,
 processes of their own, are stopped while a call is served, within the same bounds
-(``worker_pause.py``).
+(``worker_pause.py``). After a call ends the background waits ``GRACE`` (1 ms) more, so that its
+caller's own work with the answer goes first; and the trace function, on 'call' events, traces
+the lines of the few functions a trace runs for milliseconds without a call
+(``_compat.LONG_RUNNING``).
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
@@ -178,6 +182,8 @@ class Pacer:
                 # call). So the background waits a little longer, counted as waiting.
                 left = self._ended + GRACE - at
                 if left <= 0:
+                    if waited[0] and at - self._ended > self.typical:
+                        waited[0] = 0.0  # a gap of a typical call: ran in it, not starved
                     return None
                 sleep(left)
                 waited[0] += left

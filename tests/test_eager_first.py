@@ -374,6 +374,27 @@ def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
 
 
 @pytest.mark.timing
+def test_a_paced_thread_waits_a_grace_after_a_call_ends():
+    # What the caller does with the answer goes first (worker_pause.GRACE, 1 ms).
+    from tessera.worker_pause import GRACE
+
+    with _spinning() as ticks:
+        _learn_typical_call()
+        within, after = [], []
+        for _ in range(5):
+            with PACER.serving():
+                time.sleep(0.002)
+            start = ticks[0]
+            time.sleep(GRACE / 4)
+            within.append(ticks[0] - start)
+            time.sleep(GRACE)
+            start = ticks[0]
+            time.sleep(0.005)
+            after.append(ticks[0] - start)
+    assert max(within) < 100 and min(after) > 1000, (within, after)
+
+
+@pytest.mark.timing
 def test_a_paced_thread_does_not_run_beside_a_call_of_less_than_three_typical_ones():
     # A call slow for another reason (the machine) at twice eager's typical time or more is not
     # made slower still: the paced thread, run beside it, takes the GIL from each of its ops.

@@ -99,6 +99,35 @@ def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spin
 
 
 @linux_only
+def test_the_workers_are_continued_a_grace_after_the_call_and_a_call_within_it_keeps_them(
+    spinner, monkeypatch
+):
+    # The caller's own work with the answer goes first (worker_pause.GRACE).
+    sent: list[tuple[int, float]] = []
+    real = worker_pause._signal
+
+    def recording(pid, sig, hold_gil=True):
+        sent.append((sig, time.perf_counter()))
+        return real(pid, sig, hold_gil)
+
+    monkeypatch.setattr(worker_pause, "_signal", recording)
+    monkeypatch.setattr(worker_pause, "GRACE", 0.2)  # long enough to start a call within it
+    PAUSE.busy(spinner)
+    try:
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+        with PACER.serving():  # within the grace: still stopped, no continue went out
+            assert _state(spinner) == "T"
+        ended = time.perf_counter()
+        _until(lambda: _state(spinner) == "R", "the spinner runs again")
+    finally:
+        PAUSE.idle(spinner)
+    continues = [at for sig, at in sent if sig == signal.SIGCONT]
+    assert [sig for sig, _ in sent].count(signal.SIGSTOP) == 1, "the second call kept them stopped"
+    assert len(continues) == 1 and continues[0] - ended >= 0.2 * 0.9, (continues, ended)
+
+
+@linux_only
 def test_a_served_call_that_waits_on_the_workers_lets_them_run(spinner):
     PAUSE.busy(spinner)
     try:
