@@ -156,3 +156,26 @@ def test_drop_costs_tessera_child_frees_the_model_it_drops(tmp_path: Path) -> No
     assert result["freed"] is True, result  # by reference counting and the one walk, no gc.collect()
     assert isinstance(result["frozen_objects"], int) and result["frozen_objects"] > 0  # the heap froze
     assert isinstance(result["drop_s"], float)
+
+
+def test_trace_gaps_times_the_events_of_the_paced_threads(tmp_path: Path) -> None:
+    env = child_env(
+        TESSERA_CACHE_DIR=str(tmp_path / "tessera"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+        TESSERA_BACKEND="eager",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.trace_gaps", "--model", "toy4", "--min-ms", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+    # At 0 ms every pair of events is a gap: thousands, from the paced trace (its Dynamo frames).
+    assert result["gaps"] > 1000, result["gaps"]
+    longest = [gap["ms"] for gap in result["longest"]]
+    assert longest == sorted(longest, reverse=True) and len(longest) == 25
+    assert any("_dynamo" in where for gap in result["longest"] for where in gap["next_event_stack"])
