@@ -52,48 +52,7 @@ def lower_thread(priority: str) -> bool:
     """Lower the calling thread's CPU priority to ``priority``; True when it was lowered."""
     if priority == "normal" or not sys.platform.startswith("linux"):
         return False
-    tid = threading.get_native_id()
-    lowered = _lower(tid, priority)
-    if lowered and priority == "low":
-        short_slice(tid)
-    return lowered
-
-
-# sched_setattr's system call number, by machine (no Python wrapper: os has none).
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274, "ppc64le": 355, "s390x": 345, "riscv64": 274}
-SHORT_SLICE_NS = 100_000  # the shortest slice Linux takes (6.12+): 0.1 ms
-
-
-def short_slice(tid: int) -> bool:
-    """Ask Linux (6.12+, EEVDF) to run thread ``tid``, at nice 19, for 0.1 ms slices: a call's thread
-    that wakes while it has the core waits at most that, where a nice-19 thread with the default
-    slice (1.4 ms on the 2-core CPU's Linux 6.18) was let run it out first (a served call woke
-    2-4.5 ms late beside a paced trace, benchmarks/first_minute.py --gil-clock). Older kernels
-    ignore the request; True when it was taken."""
-    import ctypes
-
-    number = _SCHED_SETATTR.get(os.uname().machine)
-    if number is None:
-        return False
-
-    class SchedAttr(ctypes.Structure):  # struct sched_attr, SCHED_ATTR_SIZE_VER0
-        _fields_ = [
-            ("size", ctypes.c_uint32),
-            ("policy", ctypes.c_uint32),
-            ("flags", ctypes.c_uint64),
-            ("nice", ctypes.c_int32),
-            ("priority", ctypes.c_uint32),
-            ("runtime", ctypes.c_uint64),
-            ("deadline", ctypes.c_uint64),
-            ("period", ctypes.c_uint64),
-        ]
-
-    attr = SchedAttr(size=ctypes.sizeof(SchedAttr), policy=0, nice=LOW_NICE, runtime=SHORT_SLICE_NS)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(number, tid, ctypes.byref(attr), 0) != 0:
-        log.debug("no short slice for thread %d: %s", tid, os.strerror(ctypes.get_errno()))
-        return False
-    return True
+    return _lower(threading.get_native_id(), priority)
 
 
 def lower_process(priority: str) -> bool:

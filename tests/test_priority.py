@@ -49,29 +49,6 @@ def test_lowering_a_thread_leaves_the_others_and_normal_changes_nothing():
     assert in_thread(normal) == (False, before)
 
 
-def _kernel_at_least(major: int, minor: int) -> bool:
-    release = os.uname().release.split("-")[0].split(".")
-    return (int(release[0]), int(release[1])) >= (major, minor)
-
-
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or not _kernel_at_least(6, 12) or os.uname().machine != "x86_64",
-    reason="a thread's own slice: Linux 6.12+ (checked on x86_64)",
-)
-def test_a_thread_lowered_to_low_runs_short_slices_at_nice_19():
-    # A served call's thread that wakes while it has the core waits at most 0.1 ms for it.
-    def lowered() -> tuple[bool, int, int]:
-        ok = priority.lower_thread("low")
-        with open(f"/proc/self/task/{threading.get_native_id()}/sched") as f:
-            slices = [int(line.split()[-1]) for line in f if line.startswith("se.slice")]
-        return ok, _nice(), slices[0]
-
-    assert in_thread(lowered) == (True, priority.LOW_NICE, priority.SHORT_SLICE_NS)
-    with open(f"/proc/self/task/{threading.get_native_id()}/sched") as f:
-        mine = [int(line.split()[-1]) for line in f if line.startswith("se.slice")]
-    assert mine[0] > priority.SHORT_SLICE_NS  # the calling thread keeps the default
-
-
 @linux_only
 def test_a_compile_worker_at_low_runs_at_sched_idle_and_at_nice_19_where_that_is_refused(monkeypatch):
     # It is stopped while a call is served (worker_pause.py) and holds no GIL of the server's: a
