@@ -111,6 +111,8 @@ class WorkerPause:
             stopped = pid in self._stopped or pid in self._to_continue
             if pid in self._stopped:
                 self._stopped.remove(pid)
+            if pid in self._to_continue:  # continued here, not taken for stopped by the next call
+                self._to_continue.remove(pid)
         if stopped:
             _signal(pid, _CONT)
 
@@ -130,14 +132,12 @@ class WorkerPause:
             if self._owed >= starved:  # this call runs beside them
                 self._owed = 0.0
                 return
-            if self._to_continue:  # the last call's continue has not gone out: they stay stopped
-                self._stopped, self._to_continue = self._to_continue, []
-                self._since = now
-                self.stops += 1
-                return
-            # SIGSTOP is sent here, by the calling thread: it must be in before the call's first op,
-            # and it takes the sender a few microseconds (only SIGCONT wakes anything).
-            self._stopped = [pid for pid in self._busy if _signal(pid, _STOP)]
+            # The last call's continue has not gone out (its GRACE): those workers are stopped
+            # still and stay so; a worker busy since then is stopped now. SIGSTOP is sent here, by
+            # the calling thread: it must be in before the call's first op, and it takes the sender
+            # a few microseconds (only SIGCONT wakes anything).
+            kept, self._to_continue = self._to_continue, []
+            self._stopped = kept + [pid for pid in self._busy if pid not in kept and _signal(pid, _STOP)]
             if self._stopped:
                 self._since = now
                 self.stops += 1

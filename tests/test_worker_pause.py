@@ -43,6 +43,15 @@ def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+@pytest.fixture(autouse=True)
+def _long_typical_call(monkeypatch):
+    """Calls of PACER's (the real tests') are taken to be a second long typically: what earlier
+    tests served leaves no short typical call whose bounds (a call beside the workers after six
+    of them stopped with no gap) would let one of these calls run beside a worker. The bounds
+    have tests of their own, on a made-up clock."""
+    monkeypatch.setattr(PACER, "typical", 1.0)
+
+
 @pytest.fixture
 def spinner() -> Iterator[int]:
     """A process busy on a core, in a group of its own as a compile worker is."""
@@ -125,6 +134,25 @@ def test_the_workers_are_continued_a_grace_after_the_call_and_a_call_within_it_k
     continues = [at for sig, at in sent if sig == signal.SIGCONT]
     assert [sig for sig, _ in sent].count(signal.SIGSTOP) == 1, "the second call kept them stopped"
     assert len(continues) == 1 and continues[0] - ended >= 0.2 * 0.9, (continues, ended)
+
+
+@linux_only
+def test_a_worker_let_go_in_the_grace_is_stopped_again_by_the_next_call(spinner, monkeypatch):
+    # Its continue was still to go out (the grace) when it went idle, which continued it: the
+    # next call, once it is busy again, must stop it, not take it for stopped still.
+    monkeypatch.setattr(worker_pause, "GRACE", 0.5)
+    PAUSE.busy(spinner)
+    try:
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+        PAUSE.idle(spinner)  # within the grace
+        _until(lambda: _state(spinner) == "R", "the idle spinner runs", 1.0)
+        PAUSE.busy(spinner)
+        with PACER.serving():
+            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the next call", 1.0)
+    finally:
+        PAUSE.idle(spinner)
+    _until(lambda: _state(spinner) == "R", "the spinner runs once it is idle")
 
 
 @linux_only
