@@ -10,21 +10,19 @@ shortened while one runs, so a call that starts gets the GIL at once. Under a st
 between calls the background would never run; it then takes a slice of a third of a served call's
 typical time after waiting six of them with no gap of one between, so a call is slower by a
 fraction of itself, and the background still finishes (under a stream with gaps it runs in the
-gaps). A call that lasts
-more than three times the typical one may be waiting for what the background holds (a lock, the
-trace it needs): the background then runs as long as it waited before it waits again, so no call
-waits long on a background that waits on it, and a call slow for another reason is not slowed
-further for all its length. Three, not two: a call the background runs beside waits for the GIL
-at each of its ops, and a call slow for another reason (the machine) at twice the typical one was
-made 3-4x by it (tiny BERT's eager calls beside its trace, 2-core CPU: 1.2-4.6 ms of GIL waits in
-calls of 4-8 ms, ``benchmarks/first_minute.py --gil-clock``); a typical call learnt from compiled
-calls is also shorter than eager's. A call served as traced while compiles run also leaves them a
-core (``served_threads.py``): pacing frees the GIL, and that frees a core. The compile workers,
-processes of their own, are stopped while a call is served, within the same bounds
+gaps). A call that lasts more than three times the typical one may be waiting for what the
+background holds (a lock, the trace it needs): the background then runs as long as it waited before
+it waits again, so no call waits long on a background that waits on it, and a call slow for another
+reason is not slowed further for all its length. Three, not two: a call the background runs beside
+waits for the GIL at each of its ops, and a call slow for another reason (the machine) at twice the
+typical one was made 3-4x by it (tiny BERT's eager calls beside its trace, 2-core CPU: 1.2-4.6 ms
+of GIL waits in calls of 4-8 ms, ``benchmarks/first_minute.py --gil-clock``); a typical call learnt
+from compiled calls is also shorter than eager's. A call served as traced while compiles run also
+leaves them a core (``served_threads.py``): pacing frees the GIL, and that frees a core. The
+compile workers, processes of their own, are stopped while a call is served, within the same bounds
 (``worker_pause.py``). After a call ends the background waits ``GRACE`` (1 ms) more, so that its
-caller's own work with the answer goes first; and the trace function, on 'call' events, traces
-the lines of the few functions a trace runs for milliseconds without a call
-(``_compat.LONG_RUNNING``).
+caller's own work with the answer goes first; and the trace function, on 'call' events, traces the
+lines of the few functions a trace runs for milliseconds without a call (``_compat.LONG_RUNNING``).
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
@@ -220,9 +218,9 @@ class Pacer:
         if not counted:
             with self._lock:
                 self._count(1)
-        # Reason: waiting in a trace function hands the GIL over at once; on 'call' events only
-        # (no line events but in ``long_running_code``): the cheapest hook CPython 3.10-3.13 all
-        # have. A debugger's trace function, if any, is put back after.
+        # Reason: waiting in a trace function hands the GIL over at once; on 'call' events only (no
+        # line events but in ``_compat.LONG_RUNNING``'s functions): the cheapest hook CPython
+        # 3.10-3.13 all have. A debugger's trace function, if any, is put back after.
         sys.settrace(on_calls)
         try:
             yield

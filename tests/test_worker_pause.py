@@ -43,6 +43,25 @@ def _until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def _becomes(pid: int, state: str, what: str, timeout: float = 10.0) -> None:
+    """Wait until process ``pid`` is in ``state`` (a ``_state`` letter)."""
+    _until(lambda: _state(pid) == state, what, timeout)
+
+
+@pytest.fixture
+def signals_sent(monkeypatch) -> list[tuple[int, int, float]]:
+    """Each signal worker_pause sends, as it is sent: (signal, the sending thread, when)."""
+    sent: list[tuple[int, int, float]] = []
+    real = worker_pause._signal
+
+    def recording(pid, sig, hold_gil=True):
+        sent.append((sig, threading.get_ident(), time.perf_counter()))
+        return real(pid, sig, hold_gil)
+
+    monkeypatch.setattr(worker_pause, "_signal", recording)
+    return sent
+
+
 @pytest.fixture(autouse=True)
 def _long_typical_call(monkeypatch):
     """Calls of PACER's (the real tests') are taken to be a second long typically: what earlier
@@ -71,9 +90,9 @@ def test_a_busy_worker_is_stopped_for_each_served_call_and_runs_between_them(spi
             stops = PAUSE.stops
             with PACER.serving():
                 assert PAUSE.stopped() == [spinner]
-                _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+                _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
             assert PAUSE.stops == stops + 1
-            _until(lambda: _state(spinner) == "R", "the spinner runs again after the call")
+            _becomes(spinner, "R", "the spinner runs again after the call")
     finally:
         PAUSE.idle(spinner)
     with PACER.serving():  # no longer busy: left alone
@@ -82,57 +101,42 @@ def test_a_busy_worker_is_stopped_for_each_served_call_and_runs_between_them(spi
 
 
 @linux_only
-def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spinner, monkeypatch):
+def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spinner, signals_sent):
     # A continued compiler can take the sender's core for a whole slice of the kernel's: the call's
     # caller must not wait for that.
-    senders: list[tuple[int, int]] = []
-    real = worker_pause._signal
-
-    def recording(pid, sig, hold_gil=True):
-        senders.append((sig, threading.get_ident()))
-        return real(pid, sig, hold_gil)
-
-    monkeypatch.setattr(worker_pause, "_signal", recording)
+    senders = signals_sent
     PAUSE.busy(spinner)
     try:
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
-        _until(lambda: any(sig == signal.SIGCONT for sig, _ in senders), "a SIGCONT went out")
-        _until(lambda: _state(spinner) == "R", "the spinner runs again")
+            _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
+        _until(lambda: any(sig == signal.SIGCONT for sig, *_ in senders), "a SIGCONT went out")
+        _becomes(spinner, "R", "the spinner runs again")
     finally:
         PAUSE.idle(spinner)
     me = threading.get_ident()
-    assert (signal.SIGSTOP, me) in senders
-    continued = [who for sig, who in senders if sig == signal.SIGCONT]
+    assert (signal.SIGSTOP, me) in [(sig, who) for sig, who, _ in senders]
+    continued = [who for sig, who, _ in senders if sig == signal.SIGCONT]
     assert continued and me not in continued
 
 
 @linux_only
 def test_the_workers_are_continued_a_grace_after_the_call_and_a_call_within_it_keeps_them(
-    spinner, monkeypatch
+    spinner, signals_sent, monkeypatch
 ):
     # The caller's own work with the answer goes first (worker_pause.GRACE).
-    sent: list[tuple[int, float]] = []
-    real = worker_pause._signal
-
-    def recording(pid, sig, hold_gil=True):
-        sent.append((sig, time.perf_counter()))
-        return real(pid, sig, hold_gil)
-
-    monkeypatch.setattr(worker_pause, "_signal", recording)
     monkeypatch.setattr(worker_pause, "GRACE", 0.2)  # long enough to start a call within it
     PAUSE.busy(spinner)
     try:
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
         with PACER.serving():  # within the grace: still stopped, no continue went out
             assert _state(spinner) == "T"
         ended = time.perf_counter()
-        _until(lambda: _state(spinner) == "R", "the spinner runs again")
+        _becomes(spinner, "R", "the spinner runs again")
     finally:
         PAUSE.idle(spinner)
-    continues = [at for sig, at in sent if sig == signal.SIGCONT]
-    assert [sig for sig, _ in sent].count(signal.SIGSTOP) == 1, "the second call kept them stopped"
+    continues = [at for sig, _, at in signals_sent if sig == signal.SIGCONT]
+    assert [sig for sig, *_ in signals_sent].count(signal.SIGSTOP) == 1, "the second call kept them stopped"
     assert len(continues) == 1 and continues[0] - ended >= 0.2 * 0.9, (continues, ended)
 
 
@@ -144,15 +148,15 @@ def test_a_worker_let_go_in_the_grace_is_stopped_again_by_the_next_call(spinner,
     PAUSE.busy(spinner)
     try:
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
         PAUSE.idle(spinner)  # within the grace
-        _until(lambda: _state(spinner) == "R", "the idle spinner runs", 1.0)
+        _becomes(spinner, "R", "the idle spinner runs", 1.0)
         PAUSE.busy(spinner)
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the next call", 1.0)
+            _becomes(spinner, "T", "the spinner is stopped in the next call", 1.0)
     finally:
         PAUSE.idle(spinner)
-    _until(lambda: _state(spinner) == "R", "the spinner runs once it is idle")
+    _becomes(spinner, "R", "the spinner runs once it is idle")
 
 
 @linux_only
@@ -160,16 +164,16 @@ def test_a_served_call_that_waits_on_the_workers_lets_them_run(spinner):
     PAUSE.busy(spinner)
     try:
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
+            _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
             unblock_workers()  # what WorkerFanOut.take_replies does before it blocks
-            _until(lambda: _state(spinner) == "R", "the worker runs inside the call that waits on it")
+            _becomes(spinner, "R", "the worker runs inside the call that waits on it")
             with PACER.serving():  # a nested call does not stop it again
                 assert _state(spinner) == "R"
         with PACER.serving():  # the next call does
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the next call", 1.0)
+            _becomes(spinner, "T", "the spinner is stopped in the next call", 1.0)
     finally:
         PAUSE.idle(spinner)
-    _until(lambda: _state(spinner) == "R", "the spinner runs once it is idle")
+    _becomes(spinner, "R", "the spinner runs once it is idle")
 
 
 @linux_only
@@ -179,8 +183,8 @@ def test_a_served_call_that_outlasts_the_look_lets_the_workers_run(spinner, monk
     PAUSE.busy(spinner)
     try:
         with PACER.serving():
-            _until(lambda: _state(spinner) == "T", "the spinner is stopped in the call", 1.0)
-            _until(lambda: _state(spinner) == "R", "the continuing thread lets it run in the call")
+            _becomes(spinner, "T", "the spinner is stopped in the call", 1.0)
+            _becomes(spinner, "R", "the continuing thread lets it run in the call")
     finally:
         PAUSE.idle(spinner)
 
@@ -221,7 +225,7 @@ def test_a_stopped_worker_whose_parent_dies_ends(tmp_path):
     assert process.stdout is not None
     child = int(process.stdout.readline())
     try:
-        _until(lambda: _state(child) == "T", "the child is stopped")
+        _becomes(child, "T", "the child is stopped")
         process.kill()  # no atexit, no handler: as an OOM kill or a crash ends a server
         process.wait()
         # Its group lost its last parent in the session while stopped: SIGHUP, then SIGCONT, end it.
@@ -241,7 +245,7 @@ def test_a_starting_pool_worker_is_stopped_while_a_call_is_served():
         pid = worker.process.pid
         with PACER.serving():
             assert PAUSE.stopped() == [pid]
-            _until(lambda: _state(pid) == "T", "the starting worker is stopped in the call", 1.0)
+            _becomes(pid, "T", "the starting worker is stopped in the call", 1.0)
         assert worker.started_up.wait(180) and worker.start_problem is None
         with PACER.serving():  # started, waiting for a job: nothing to stop
             assert PAUSE.stopped() == []
