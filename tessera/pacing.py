@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tessera import _compat, served_threads
+from tessera.arrivals import Arrivals
 from tessera.worker_pause import GRACE, PAUSE
 
 _SLICE = 1 / 3  # of a typical call: what the background may take while a call is served
@@ -59,6 +60,9 @@ class Pacer:
         self._serving = 0
         self._quiet = threading.Event()  # set while no call is being served
         self._quiet.set()
+        self._busy = threading.Event()  # set while one is
+        # The steady stream's next call, predicted: paced threads stop before it (arrivals.py).
+        self.arrivals = Arrivals()
         self._ended = 0.0  # perf_counter when the last call served ended
         # A served call's typical time (seconds), an average that an outlier moves little: the
         # background's slice and wait under a stream with no gaps scale with it. A guess until the
@@ -80,6 +84,8 @@ class Pacer:
             self._serving += 1
             if self._serving == 1:
                 self._quiet.clear()
+                self._busy.set()
+                self.arrivals.started(time.perf_counter())
             typical = self.typical
             PAUSE.call_started(self._serving, max(_MIN_WAIT, _WAIT * typical), _STARVED * typical, typical)
         full = None if eagerly or not self.compiles else served_threads.leave_cores(self.compiles)
@@ -94,7 +100,9 @@ class Pacer:
                 self._serving -= 1
                 if not self._serving:
                     self._ended = time.perf_counter()
+                    self._busy.clear()
                     self._quiet.set()
+                    self.arrivals.ended(self._ended)
                 PAUSE.call_ended(self._serving, max(_MIN_WAIT, _WAIT * self.typical))
                 self._known = True
                 self.typical = 0.8 * self.typical + 0.2 * min(took, 2 * self.typical)
@@ -167,6 +175,7 @@ class Pacer:
         # The end of the slice taken while calls are served; the seconds waited since the last.
         until, waited = [0.0], [0.0]
         is_quiet, wait, now, sleep = self._quiet.is_set, self._quiet.wait, time.perf_counter, time.sleep
+        called, arrivals = self._busy.wait, self.arrivals
 
         def give_way(frame: Any, event: str, arg: Any) -> None:
             at = now()
@@ -179,14 +188,23 @@ class Pacer:
                 # body done in 2.4 ms, its return 9 ms later, behind the trace thread in a 4 ms C
                 # call). So the background waits a little longer, counted as waiting.
                 left = self._ended + GRACE - at
-                if left <= 0:
+                if left > 0:
+                    sleep(left)
+                    waited[0] += left
+                    if is_quiet():
+                        return None
+                else:
                     if waited[0] and at - self._ended > self.typical:
                         waited[0] = 0.0  # a gap of a typical call: ran in it, not starved
-                    return None
-                sleep(left)
-                waited[0] += left
-                if is_quiet():
-                    return None
+                    # The next call of a steady stream is due: stopped before it starts, so its
+                    # thread finds the GIL and a core free (arrivals.py). Not counted as waited:
+                    # the stream leaves gaps.
+                    due_from, due_until = arrivals.window
+                    if not due_from <= at < due_until:
+                        return None
+                    called(due_until - at)
+                    if is_quiet():
+                        return None
             start = now()
             longest = max(_MIN_WAIT, _WAIT * self.typical)
             if not wait(longest):

@@ -18,6 +18,7 @@ import torch
 import tessera
 from tessera import _compat, counters
 from tessera.api import Stage
+from tessera.arrivals import LEAD, Arrivals
 from tessera.pacing import PACER
 from tests.child import run_json
 
@@ -26,6 +27,8 @@ from tests.child import run_json
 def _background_on(monkeypatch):
     monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
     monkeypatch.setenv("TESSERA_EAGER_FIRST", "1")
+    # Each test's stream is its own: no prediction learnt from an earlier one's calls.
+    monkeypatch.setattr(PACER, "arrivals", Arrivals())
 
 
 class Counting(torch.nn.Module):
@@ -392,6 +395,28 @@ def test_a_paced_thread_waits_a_grace_after_a_call_ends():
             time.sleep(0.005)
             after.append(ticks[0] - start)
     assert max(within) < 100 and min(after) > 1000, (within, after)
+
+
+@pytest.mark.timing
+def test_a_paced_thread_stops_before_the_next_call_of_a_steady_stream():
+    # A call of 2 ms every 17 ms: once the stream is learnt, the paced thread waits in the last
+    # LEAD before each call (arrivals.py) and runs in the rest of the gap.
+    with _spinning() as ticks:
+        before, middle = [], []
+        for call in range(30):
+            with PACER.serving():
+                time.sleep(0.002)
+            time.sleep(0.015 - 2 * LEAD)
+            start = ticks[0]
+            time.sleep(LEAD / 2)
+            mid = ticks[0] - start
+            time.sleep(LEAD)
+            start = ticks[0]
+            time.sleep(LEAD / 2)
+            if call >= 15:
+                before.append(ticks[0] - start)
+                middle.append(mid)
+    assert sorted(before)[len(before) // 2] < 20 and min(middle) > 100, (before, middle)
 
 
 @pytest.mark.timing

@@ -1,0 +1,106 @@
+"""When the next call of a steady stream will start: the background stops before it, not in it.
+
+Pacing (pacing.py) gives way to a call once the call has started. But a call starts only when its
+thread has woken and taken the GIL, and on a small machine a background that runs right up to that
+moment delays it three ways, all seen with ftrace on the 2-core CPU in the first seconds of tiny
+BERT and ViT streams (``benchmarks/first_minute.py``, a call every 20 ms):
+
+- the trace thread, importing Dynamo and Inductor, releases and retakes the GIL every few tens of
+  microseconds (a file read, a stat): CPython's waiter is woken at each release and finds it taken
+  again, and never asks for it (it asks only after a switch interval with no switch), so the call's
+  thread waited 1 ms before its call began;
+- the trace thread holds the GIL through a C call of milliseconds (a ``marshal`` of an imported
+  module, the ``compile`` of generated code) that no trace function can interrupt;
+- the trace thread holds one core, a system daemon woke on the other, and the call's thread woke
+  behind the daemon (1-5 ms): eager alone would have run on the idle core.
+
+A steady stream says when its next call will come. ``Arrivals`` learns that from the starts and ends
+of the calls served (the time from one start to the next, and from an end to the next start; the
+steadier of the two predicts), and while the prediction holds, a paced thread stops ``LEAD`` before
+the predicted start (``Pacer.paced``) and waits for the call, or for ``miss`` past the prediction
+before it takes the stream for changed and runs on. A stream whose gaps are shorter than
+``_MIN_GAP``, or that is not steady (a spread of over a tenth of its period), is not predicted:
+the background then runs as pacing alone lets it. The price is the background's time in the
+window, ``LEAD`` and the call's lateness on the prediction per call (about a tenth of a 20 ms gap).
+"""
+
+from __future__ import annotations
+
+import math
+
+LEAD = 0.002  # seconds before a predicted call that paced threads stop
+_MISS = 0.001  # seconds after it (at least) before the prediction is taken as missed
+_MIN_GAP = 0.006  # a predicted gap shorter than this: no stop (the background needs the gaps)
+_SEEN = 8  # intervals seen before a prediction
+_STEADY = 0.1  # the most spread, of the period, that still predicts
+_WEIGHT = 0.2  # of each new interval in the averages
+
+
+class _Fit:
+    """A running average of one kind of interval, and of its spread (mean absolute deviation)."""
+
+    __slots__ = ("mean", "seen", "spread")
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.spread = math.inf
+        self.seen = 0
+
+    def add(self, interval: float) -> None:
+        if not self.seen:  # the spread from the next ones: none is known before they are seen
+            self.mean, self.spread = interval, 0.0
+        else:
+            self.spread += _WEIGHT * (abs(interval - self.mean) - self.spread)
+            self.mean += _WEIGHT * (interval - self.mean)
+        self.seen += 1
+
+    def steady(self) -> bool:
+        return self.seen >= _SEEN and self.spread <= _STEADY * self.mean
+
+
+class Arrivals:
+    """The starts and ends of the calls a process serves (``started``, ``ended``: the first call
+    of overlapping ones starts, the last ends), and the window paced threads stop in before the
+    next (``window``). Not thread-safe: the pacer calls it under its lock."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._end: float | None = None
+        self._rate = _Fit()  # from a call's start to the next one's
+        self._pause = _Fit()  # from a call's end to the next one's start
+        self.window = (math.inf, math.inf)  # [from, until): when paced threads wait for a call
+
+    def started(self, at: float) -> None:
+        if self._start is not None:
+            self._rate.add(at - self._start)
+        if self._end is not None:
+            self._pause.add(at - self._end)
+        self._start = at
+        self.window = (math.inf, math.inf)
+
+    def ended(self, at: float) -> None:
+        self._end = at
+        due = self.next_call()
+        if due is None or due - at < _MIN_GAP:
+            self.window = (math.inf, math.inf)
+        else:
+            fit = self._steadier()
+            self.window = (due - LEAD, due + max(_MISS, 3 * fit.spread))
+
+    def next_call(self) -> float | None:
+        """When the next call will start, after the last one ended; None when the stream is not
+        steady enough to say."""
+        if self._start is None or self._end is None or self._end < self._start:
+            return None
+        fit = self._steadier()
+        if not fit.steady():
+            return None
+        return (self._start if fit is self._rate else self._end) + fit.mean
+
+    def _steadier(self) -> _Fit:
+        rate, pause = self._rate, self._pause
+        # Relative spread: a stream paced by its caller's sleep is steadier end to start; one at a
+        # fixed rate, start to start.
+        if rate.seen and pause.seen and rate.spread * pause.mean <= pause.spread * rate.mean:
+            return rate
+        return pause if pause.seen else rate
