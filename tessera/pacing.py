@@ -21,8 +21,10 @@ from compiled calls is also shorter than eager's. A call served as traced while 
 leaves them a core (``served_threads.py``): pacing frees the GIL, and that frees a core. The
 compile workers, processes of their own, are stopped while a call is served, within the same bounds
 (``worker_pause.py``). After a call ends the background waits ``GRACE`` (1 ms) more, so that its
-caller's own work with the answer goes first; and the trace function, on 'call' events, traces the
-lines of the few functions a trace runs for milliseconds without a call (``_compat.LONG_RUNNING``).
+caller's own work with the answer goes first; before the next call of a steady stream it stops
+``arrivals.LEAD`` (2 ms) early, so that the call's thread finds the GIL and a core free as it wakes
+(arrivals.py); and the trace function, on 'call' events, traces the lines of the few functions a
+trace runs for milliseconds without a call (``_compat.LONG_RUNNING``).
 
 A served call is counted by ``PACER.serving()``, entered by ``CompiledModel.__call__`` only while
 some background thread is paced (``PACER.threads``, one attribute read otherwise). The trace
