@@ -105,7 +105,7 @@ class Pacer:
                     self._busy.clear()
                     self._quiet.set()
                     self.arrivals.ended(self._ended)
-                PAUSE.call_ended(self._serving, max(_MIN_WAIT, _WAIT * self.typical))
+                PAUSE.call_ended(self._serving, max(_MIN_WAIT, _WAIT * self.typical), self.arrivals.window)
                 self._known = True
                 self.typical = 0.8 * self.typical + 0.2 * min(took, 2 * self.typical)
             local.depth -= 1

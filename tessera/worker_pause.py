@@ -14,8 +14,14 @@ call (a few microseconds). They are continued (SIGCONT) when no call is served, 
 this module's, not the call's: a continued compiler can take the core of the thread that continues
 it for a whole slice of the kernel's (seen on Linux 6.18, the 2-core CPU: the calling thread,
 preempted inside the SIGCONT for 2-4.5 ms while the other core idled, in 2% of the calls), and the
-call's caller must not wait for that. They compile in the gaps between the calls. Two bounds keep
-them from waiting for good, checked as calls start and end:
+call's caller must not wait for that. They compile in the gaps between the calls. Before the next
+call of a steady stream (arrivals.py) the continuing thread stops them again, ``arrivals.LEAD``
+early, so that the call's thread wakes to an idle core: a worker it preempts as it wakes stays
+queued on its core, and the kernel runs it there again at the end of the call's slice, whatever
+its priority (EEVDF's eligibility; seen on Linux 6.18 with ftrace, a compiler exiting for 4 ms in
+the middle of a call while the other core idled; a process exiting takes no SIGSTOP). If the call
+does not come in the window they are continued. Two bounds keep them from waiting for good,
+checked as calls start and end:
 
 - once they were kept stopped ``starved`` seconds (pacing's six typical calls) with no gap of a
   typical call's length to run in, the next call runs beside them, and the count starts again: a
@@ -43,6 +49,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import math
 import os
 import signal
 import threading
@@ -59,6 +66,7 @@ _LOOK = 0.25
 GRACE = 0.001
 _STOP = getattr(signal, "SIGSTOP", None)
 _CONT = getattr(signal, "SIGCONT", None)
+_NO_WINDOW = (math.inf, math.inf)
 
 
 class WorkerPause:
@@ -80,6 +88,10 @@ class WorkerPause:
         self._owed = 0.0  # seconds stopped since they last had a typical call's time to run
         self._to_continue: list[int] = []  # for the continuing thread
         self._let_run = False  # until no call is served: a call waits on them, or outlasted ``wait``
+        # Before a steady stream's predicted next call (arrivals.py): [from, until) in which the
+        # busy workers are stopped ahead of it; and whether they are stopped so, no call yet.
+        self._window = _NO_WINDOW
+        self._ahead = False
         self._continuing: threading.Thread | None = None
         self.stops = 0  # the times they were stopped (tests, the benchmark's record)
 
@@ -124,6 +136,8 @@ class WorkerPause:
             return
         with self._lock:
             now = time.perf_counter()
+            self._window = _NO_WINDOW
+            ahead, self._ahead = self._ahead, False
             if serving > 1 or self._let_run:
                 self._outlasted(now, wait)
                 return
@@ -131,14 +145,17 @@ class WorkerPause:
                 self._owed = 0.0
             if self._owed >= starved:  # this call runs beside them
                 self._owed = 0.0
+                if ahead:
+                    self._continue(now)
                 return
-            # The last call's continue has not gone out (its GRACE): those workers are stopped
-            # still and stay so; a worker busy since then is stopped now. SIGSTOP is sent here, by
-            # the calling thread: it must be in before the call's first op, and it takes the sender
-            # a few microseconds (only SIGCONT wakes anything).
-            kept, self._to_continue = self._to_continue, []
+            # The last call's continue has not gone out (its GRACE), or they were stopped ahead of
+            # this call: those workers are stopped still and stay so; a worker busy since then is
+            # stopped now. SIGSTOP is sent here, by the calling thread: it must be in before the
+            # call's first op, and it takes the sender a few microseconds (only SIGCONT wakes
+            # anything).
+            kept, self._to_continue = self._to_continue + self._stopped, []
             self._stopped = kept + [pid for pid in self._busy if pid not in kept and _signal(pid, _STOP)]
-            if self._stopped:
+            if self._stopped and not ahead:
                 self._since = now
                 self.stops += 1
                 if self._continuing is None:
@@ -147,9 +164,11 @@ class WorkerPause:
                     )
                     self._continuing.start()
 
-    def call_ended(self, serving: int, wait: float) -> None:
-        """A call ended, ``serving`` calls left: at none, the workers are continued."""
-        if not self._stopped and not self._let_run:
+    def call_ended(self, serving: int, wait: float, window: tuple[float, float] = _NO_WINDOW) -> None:
+        """A call ended, ``serving`` calls left: at none, the workers are continued, and stopped
+        again in ``window`` (perf_counter seconds, [from, until)) unless a call starts first: the
+        next call of a steady stream is due then (arrivals.py)."""
+        if not self._stopped and not self._let_run and (not self._busy or window[0] == math.inf):
             return
         with self._lock:
             now = time.perf_counter()
@@ -157,7 +176,9 @@ class WorkerPause:
                 self._outlasted(now, wait)
                 return
             self._let_run = False
+            self._window = window if self._busy else _NO_WINDOW
             self._continue(now)
+            self._asked.notify()
 
     def unblock(self) -> None:
         """The calling thread, serving a call, waits on a worker: they run until no call is served."""
@@ -168,6 +189,23 @@ class WorkerPause:
     def stopped(self) -> list[int]:
         with self._lock:
             return list(self._stopped)
+
+    def _ahead_of_call(self, now: float) -> float:
+        # Under the lock, in the continuing thread: the busy workers stopped in the window before a
+        # predicted call, continued at its end if the call did not come. Seconds until the next
+        # change (inf: none).
+        start, until = self._window
+        if self._ahead and now >= until:  # the prediction missed: they run again
+            self._ahead, self._window = False, _NO_WINDOW
+            self._continue(now)
+            return 0.0
+        if now < start or start == math.inf:
+            return start - now
+        if not self._ahead and not self._stopped and not self._to_continue and now < until:
+            self._stopped = [pid for pid in self._busy if _signal(pid, _STOP)]
+            self._ahead, self._since = bool(self._stopped), now
+            self.stops += self._ahead
+        return until - now if self._ahead else math.inf
 
     def _outlasted(self, now: float, wait: float) -> None:
         # Under the lock: calls with no gap between them kept the workers stopped for ``wait``.
@@ -200,7 +238,8 @@ class WorkerPause:
             while not self._to_continue:
                 # While workers are busy, a look every _LOOK seconds: a call that waits on
                 # something a stopped worker holds (a lock of the cache's) ends that way.
-                self._asked.wait(_LOOK if self._busy else None)
+                timeout = self._ahead_of_call(time.perf_counter())
+                self._asked.wait(min(timeout, _LOOK) if self._busy else None)
                 now = time.perf_counter()
                 if self._stopped and now - self._since >= _LOOK:
                     log.debug(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tessera import worker_pause
+from tessera.arrivals import Arrivals
 from tessera.compile_pool import CompilePool
 from tessera.fan_out import unblock_workers
 from tessera.pacing import PACER
@@ -69,6 +70,7 @@ def _long_typical_call(monkeypatch):
     of them stopped with no gap) would let one of these calls run beside a worker. The bounds
     have tests of their own, on a made-up clock."""
     monkeypatch.setattr(PACER, "typical", 1.0)
+    monkeypatch.setattr(PACER, "arrivals", Arrivals())  # no stream learnt from earlier tests
 
 
 @pytest.fixture
@@ -157,6 +159,55 @@ def test_a_worker_let_go_in_the_grace_is_stopped_again_by_the_next_call(spinner,
     finally:
         PAUSE.idle(spinner)
     _becomes(spinner, "R", "the spinner runs once it is idle")
+
+
+def _steady_stream(calls: int) -> None:
+    """A 2 ms call every 30 ms, ``calls`` of them, ending as the last call ends."""
+    for call in range(calls):
+        if call:
+            time.sleep(0.028)
+        with PACER.serving():
+            time.sleep(0.002)
+
+
+@linux_only
+def test_busy_workers_are_stopped_before_a_steady_streams_next_call_and_run_if_it_does_not_come(
+    spinner, signals_sent
+):
+    PAUSE.busy(spinner)
+    try:
+        _steady_stream(12)
+        start, until = PACER.arrivals.window
+        assert start < until < start + 0.01, (start, until)
+        sent_before = len(signals_sent)
+        time.sleep(until - time.perf_counter() + 0.02)  # no call comes
+        late = [(sig, at) for sig, _, at in signals_sent[sent_before:]]
+        # Continued after the last call, stopped in the window, continued once it passed.
+        kinds = [sig for sig, _ in late]
+        assert kinds[-2:] == [signal.SIGSTOP, signal.SIGCONT], late
+        stopped_at, continued_at = late[-2][1], late[-1][1]
+        assert start - 0.001 <= stopped_at < until <= continued_at, (start, until, late)
+        _becomes(spinner, "R", "the spinner runs again")
+    finally:
+        PAUSE.idle(spinner)
+
+
+@linux_only
+def test_a_call_that_comes_as_predicted_finds_the_workers_stopped_ahead_of_it(spinner, signals_sent):
+    PAUSE.busy(spinner)
+    try:
+        _steady_stream(12)
+        start, _ = PACER.arrivals.window
+        time.sleep(start - time.perf_counter() + 0.0015)  # the call comes 0.5 ms before it is due
+        caller = threading.get_ident()
+        sent_before = len(signals_sent)
+        with PACER.serving():
+            assert PAUSE.stopped() == [spinner]
+            assert _state(spinner) == "T"
+            # The calling thread sent no SIGSTOP: the worker was stopped before it.
+            assert [s for s, thread, _ in signals_sent[sent_before:] if thread == caller] == []
+    finally:
+        PAUSE.idle(spinner)
 
 
 @linux_only
