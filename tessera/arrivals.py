@@ -18,10 +18,12 @@ A steady stream says when its next call will come. ``Arrivals`` learns that from
 of the calls served (the time from one start to the next, and from an end to the next start; the
 steadier of the two predicts), and while the prediction holds, a paced thread stops ``LEAD`` before
 the predicted start (``Pacer.paced``) and waits for the call, or for ``miss`` past the prediction
-before it takes the stream for changed and runs on. A stream whose gaps are shorter than
-``_MIN_GAP``, or that is not steady (a spread of over a tenth of its period), is not predicted:
-the background then runs as pacing alone lets it. The price is the background's time in the
-window, ``LEAD`` and the call's lateness on the prediction per call (about a tenth of a 20 ms gap).
+before it takes the stream for changed and runs on. The window takes at most a third of the gap it
+is in (a stream of gaps under 9 ms, the decode loop of ``generate()``, gets none: the background
+needs them), and a stream that is not steady (a spread of over a tenth of its period) is not
+predicted: the background then runs as pacing alone lets it. The price is the background's time in
+the window, ``LEAD`` and the call's lateness on the prediction per call (about a tenth of a 20 ms
+gap).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import math
 
 LEAD = 0.002  # seconds before a predicted call that paced threads stop
 _MISS = 0.001  # seconds after it (at least) before the prediction is taken as missed
-_MIN_GAP = 0.006  # a predicted gap shorter than this: no stop (the background needs the gaps)
+_SHARE = 3  # a window is at most this fraction (its inverse) of the gap it is in
 _SEEN = 8  # intervals seen before a prediction
 _STEADY = 0.1  # the most spread, of the period, that still predicts
 _WEIGHT = 0.2  # of each new interval in the averages
@@ -81,11 +83,11 @@ class Arrivals:
     def ended(self, at: float) -> None:
         self._end = at
         due = self.next_call()
-        if due is None or due - at < _MIN_GAP:
+        miss = max(_MISS, 3 * self._steadier().spread)
+        if due is None or due - at < _SHARE * (LEAD + miss):  # the background needs the gaps
             self.window = (math.inf, math.inf)
         else:
-            fit = self._steadier()
-            self.window = (due - LEAD, due + max(_MISS, 3 * fit.spread))
+            self.window = (due - LEAD, due + miss)
 
     def next_call(self) -> float | None:
         """When the next call will start, after the last one ended; None when the stream is not

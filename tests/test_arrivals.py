@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from tessera.arrivals import _MIN_GAP, _SEEN, LEAD, Arrivals
+from tessera.arrivals import _MISS, _SEEN, _SHARE, LEAD, Arrivals
 
 NONE = (math.inf, math.inf)
 
@@ -64,10 +64,11 @@ def test_no_window_while_a_call_is_served_nor_before_a_gap_too_short_to_give_up(
     arrivals.started(20 * 0.02)
     assert arrivals.window == NONE and arrivals.next_call() is None  # in a call: nothing due
 
-    back_to_back = Arrivals()  # gaps of 2 ms: the background needs them all
-    _serve(back_to_back, [(i * 0.007, i * 0.007 + 0.005) for i in range(20)])
-    assert back_to_back.next_call() is not None and _MIN_GAP > 0.007 - 0.005
-    assert back_to_back.window == NONE
+    # Gaps of 8 ms: a window of 3 ms would take more than a third of each.
+    short_gaps = Arrivals()
+    _serve(short_gaps, [(i * 0.010, i * 0.010 + 0.002) for i in range(20)])
+    assert short_gaps.next_call() is not None and _SHARE * (LEAD + _MISS) > 0.008
+    assert short_gaps.window == NONE
 
 
 def test_a_stream_that_pauses_is_not_predicted_until_it_is_steady_again():
