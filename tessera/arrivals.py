@@ -82,8 +82,8 @@ class Arrivals:
 
     def ended(self, at: float) -> None:
         self._end = at
-        due = self.next_call()
-        miss = max(_MISS, 3 * self._steadier().spread)
+        due, fit = self.next_call(), self._steadier()
+        miss = max(_MISS, 3 * fit.spread) if fit is not None else math.inf
         if due is None or due - at < _SHARE * (LEAD + miss):  # the background needs the gaps
             self.window = (math.inf, math.inf)
         else:
@@ -95,14 +95,13 @@ class Arrivals:
         if self._start is None or self._end is None or self._end < self._start:
             return None
         fit = self._steadier()
-        if not fit.steady():
+        if fit is None:
             return None
         return (self._start if fit is self._rate else self._end) + fit.mean
 
-    def _steadier(self) -> _Fit:
-        rate, pause = self._rate, self._pause
-        # Relative spread: a stream paced by its caller's sleep is steadier end to start; one at a
-        # fixed rate, start to start.
-        if rate.seen and pause.seen and rate.spread * pause.mean <= pause.spread * rate.mean:
-            return rate
-        return pause if pause.seen else rate
+    def _steadier(self) -> _Fit | None:
+        # Both predict the same start: of the steady ones, the one that misses it by less (a
+        # stream paced by its caller's sleep is steadier end to start; one at a fixed rate, start
+        # to start).
+        steady = [fit for fit in (self._rate, self._pause) if fit.steady()]
+        return min(steady, key=lambda fit: fit.spread) if steady else None

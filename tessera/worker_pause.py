@@ -123,6 +123,7 @@ class WorkerPause:
             stopped = pid in self._stopped or pid in self._to_continue
             if pid in self._stopped:
                 self._stopped.remove(pid)
+                self._ahead = self._ahead and bool(self._stopped)
             if pid in self._to_continue:  # continued here, not taken for stopped by the next call
                 self._to_continue.remove(pid)
         if stopped:
@@ -133,6 +134,7 @@ class WorkerPause:
         module's doc for ``wait``, ``starved`` and ``typical``); a later one lets them run if they
         were stopped ``wait`` seconds."""
         if not self._busy:  # no worker busy: one read, no lock
+            self._window = _NO_WINDOW  # a call came: a worker busy from now on is not stopped ahead
             return
         with self._lock:
             now = time.perf_counter()
@@ -153,7 +155,8 @@ class WorkerPause:
             # stopped now. SIGSTOP is sent here, by the calling thread: it must be in before the
             # call's first op, and it takes the sender a few microseconds (only SIGCONT wakes
             # anything).
-            kept, self._to_continue = self._to_continue + self._stopped, []
+            kept = self._to_continue + [pid for pid in self._stopped if pid not in self._to_continue]
+            self._to_continue = []
             self._stopped = kept + [pid for pid in self._busy if pid not in kept and _signal(pid, _STOP)]
             if self._stopped and not ahead:
                 self._since = now
@@ -169,6 +172,8 @@ class WorkerPause:
         again in ``window`` (perf_counter seconds, [from, until)) unless a call starts first: the
         next call of a steady stream is due then (arrivals.py)."""
         if not self._stopped and not self._let_run and (not self._busy or window[0] == math.inf):
+            if not serving:  # for a worker busy from now on (``busy`` wakes the continuing thread)
+                self._window = window
             return
         with self._lock:
             now = time.perf_counter()
@@ -176,7 +181,7 @@ class WorkerPause:
                 self._outlasted(now, wait)
                 return
             self._let_run = False
-            self._window = window if self._busy else _NO_WINDOW
+            self._window = window
             self._continue(now)
             self._asked.notify()
 
@@ -201,7 +206,7 @@ class WorkerPause:
             return 0.0
         if now < start or start == math.inf:
             return start - now
-        if not self._ahead and not self._stopped and not self._to_continue and now < until:
+        if not (self._ahead or self._stopped or self._to_continue or self._let_run) and now < until:
             self._stopped = [pid for pid in self._busy if _signal(pid, _STOP)]
             self._ahead, self._since = bool(self._stopped), now
             self.stops += self._ahead
@@ -215,6 +220,7 @@ class WorkerPause:
 
     def _continue(self, now: float) -> None:
         # Under the lock: the continuing thread sends the SIGCONTs.
+        self._ahead = False
         if not self._stopped:
             return
         self._to_continue.extend(self._stopped)
@@ -241,7 +247,7 @@ class WorkerPause:
                 timeout = self._ahead_of_call(time.perf_counter())
                 self._asked.wait(min(timeout, _LOOK) if self._busy else None)
                 now = time.perf_counter()
-                if self._stopped and now - self._since >= _LOOK:
+                if self._stopped and not self._ahead and now - self._since >= _LOOK:
                     log.debug(
                         "a served call kept the compile workers stopped %.2fs: let run", now - self._since
                     )

@@ -4,6 +4,7 @@ real processes for the stop and the continue, a made-up clock for the bounds."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -171,6 +172,7 @@ def _steady_stream(calls: int) -> None:
 
 
 @linux_only
+@pytest.mark.timing  # the continuing thread must wake within the window's 3 ms
 def test_busy_workers_are_stopped_before_a_steady_streams_next_call_and_run_if_it_does_not_come(
     spinner, signals_sent
 ):
@@ -193,6 +195,7 @@ def test_busy_workers_are_stopped_before_a_steady_streams_next_call_and_run_if_i
 
 
 @linux_only
+@pytest.mark.timing  # the continuing thread must wake within the window's 3 ms
 def test_a_call_that_comes_as_predicted_finds_the_workers_stopped_ahead_of_it(spinner, signals_sent):
     PAUSE.busy(spinner)
     try:
@@ -435,3 +438,48 @@ def test_a_continue_that_fails_is_tried_again(made_up, monkeypatch, caplog):
     pause.call_ended(0, WAIT)
     _until(lambda: (7, signal.SIGCONT) in sent, "the worker is continued after the failure")
     assert "continuing the compile workers failed" in caplog.text
+
+
+def test_workers_stopped_ahead_of_a_call_stay_stopped_for_it_and_run_again_if_it_does_not_come(made_up):
+    pause, clock, sent = made_up
+    stop = signal.SIGSTOP
+    window = (clock.now + 0.010, clock.now + 0.013)
+    pause.call_ended(0, WAIT, window)
+    with pause._lock:
+        assert pause._ahead_of_call(clock.now) == pytest.approx(0.010)  # not yet
+        clock.now = window[0]
+        pause._ahead_of_call(clock.now)  # the continuing thread, at the window's start
+    assert sent == [(7, stop)] and pause.stopped() == [7]
+    clock.now += 0.001
+    pause.call_started(1, WAIT, STARVED, TYPICAL)  # the call comes: no second SIGSTOP
+    assert sent == [(7, stop)] and pause.stopped() == [7]
+    clock.now += TYPICAL
+    pause.call_ended(0, WAIT)
+    assert pause.stopped() == []
+    with pause._lock:  # what the continuing thread does a grace later: the SIGCONT is sent
+        assert pause._to_continue == [7]
+        pause._to_continue.clear()
+
+    sent.clear()
+    window = (clock.now + 0.010, clock.now + 0.013)
+    pause.call_ended(0, WAIT, window)
+    with pause._lock:
+        clock.now = window[0]
+        pause._ahead_of_call(clock.now)
+        assert pause._stopped == [7]
+        clock.now = window[1]
+        assert pause._ahead_of_call(clock.now) == 0.0  # the call did not come: they run again
+        assert pause._stopped == [] and pause._to_continue == [7] and not pause._ahead
+
+
+def test_no_worker_is_stopped_ahead_while_a_call_waits_on_them_nor_after_a_call_came(made_up):
+    pause, clock, sent = made_up
+    window = (clock.now + 0.010, clock.now + 0.013)
+    pause.call_ended(0, WAIT, window)
+    clock.now = window[0] + 0.001
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    sent.clear()
+    pause.unblock()  # the call waits on a worker
+    with pause._lock:
+        assert pause._ahead_of_call(clock.now) == math.inf
+    assert (7, signal.SIGSTOP) not in sent
