@@ -36,6 +36,7 @@ _SHARE = 3  # a window is at most this fraction (its inverse) of the gap it is i
 _SEEN = 8  # intervals seen before a prediction
 _STEADY = 0.1  # the most spread, of the period, that still predicts
 _WEIGHT = 0.2  # of each new interval in the averages
+NO_WINDOW = (math.inf, math.inf)  # no call predicted: nothing waits for one
 
 
 class _Fit:
@@ -70,7 +71,7 @@ class Arrivals:
         self._end: float | None = None
         self._rate = _Fit()  # from a call's start to the next one's
         self._pause = _Fit()  # from a call's end to the next one's start
-        self.window = (math.inf, math.inf)  # [from, until): when paced threads wait for a call
+        self.window = NO_WINDOW  # [from, until): when paced threads wait for a call
 
     def started(self, at: float) -> None:
         if self._start is not None:
@@ -78,30 +79,33 @@ class Arrivals:
         if self._end is not None:
             self._pause.add(at - self._end)
         self._start = at
-        self.window = (math.inf, math.inf)
+        self.window = NO_WINDOW
 
     def ended(self, at: float) -> None:
         self._end = at
-        due, fit = self.next_call(), self._steadier()
-        miss = max(_MISS, 3 * fit.spread) if fit is not None else math.inf
-        if due is None or due - at < _SHARE * (LEAD + miss):  # the background needs the gaps
-            self.window = (math.inf, math.inf)
-        else:
-            self.window = (due - LEAD, due + miss)
+        fit = self._steadier()
+        if fit is None:
+            self.window = NO_WINDOW
+            return
+        due, miss = self._due(fit), max(_MISS, 3 * fit.spread)
+        # The background needs the gaps: a window takes at most a third of one.
+        self.window = NO_WINDOW if due - at < _SHARE * (LEAD + miss) else (due - LEAD, due + miss)
 
     def next_call(self) -> float | None:
         """When the next call will start, after the last one ended; None when the stream is not
         steady enough to say."""
-        if self._start is None or self._end is None or self._end < self._start:
-            return None
         fit = self._steadier()
-        if fit is None:
-            return None
+        return None if fit is None else self._due(fit)
+
+    def _due(self, fit: _Fit) -> float:
+        assert self._start is not None and self._end is not None  # a steady fit has seen both
         return (self._start if fit is self._rate else self._end) + fit.mean
 
     def _steadier(self) -> _Fit | None:
         # Both predict the same start: of the steady ones, the one that misses it by less (a
         # stream paced by its caller's sleep is steadier end to start; one at a fixed rate, start
-        # to start).
+        # to start). None while a call is served, or before either is steady.
+        if self._start is None or self._end is None or self._end < self._start:
+            return None
         steady = [fit for fit in (self._rate, self._pause) if fit.steady()]
         return min(steady, key=lambda fit: fit.spread) if steady else None

@@ -56,6 +56,8 @@ import threading
 import time
 from typing import Any
 
+from tessera.arrivals import NO_WINDOW
+
 log = logging.getLogger(__name__)
 
 # Seconds between the continuing thread's looks at workers stopped by a call that may wait on them
@@ -66,7 +68,6 @@ _LOOK = 0.25
 GRACE = 0.001
 _STOP = getattr(signal, "SIGSTOP", None)
 _CONT = getattr(signal, "SIGCONT", None)
-_NO_WINDOW = (math.inf, math.inf)
 
 
 class WorkerPause:
@@ -90,7 +91,7 @@ class WorkerPause:
         self._let_run = False  # until no call is served: a call waits on them, or outlasted ``wait``
         # Before a steady stream's predicted next call (arrivals.py): [from, until) in which the
         # busy workers are stopped ahead of it; and whether they are stopped so, no call yet.
-        self._window = _NO_WINDOW
+        self._window = NO_WINDOW
         self._ahead = False
         self._continuing: threading.Thread | None = None
         self.stops = 0  # the times they were stopped (tests, the benchmark's record)
@@ -134,11 +135,11 @@ class WorkerPause:
         module's doc for ``wait``, ``starved`` and ``typical``); a later one lets them run if they
         were stopped ``wait`` seconds."""
         if not self._busy:  # no worker busy: one read, no lock
-            self._window = _NO_WINDOW  # a call came: a worker busy from now on is not stopped ahead
+            self._window = NO_WINDOW  # a call came: a worker busy from now on is not stopped ahead
             return
         with self._lock:
             now = time.perf_counter()
-            self._window = _NO_WINDOW
+            self._window = NO_WINDOW
             ahead, self._ahead = self._ahead, False
             if serving > 1 or self._let_run:
                 self._outlasted(now, wait)
@@ -167,7 +168,7 @@ class WorkerPause:
                     )
                     self._continuing.start()
 
-    def call_ended(self, serving: int, wait: float, window: tuple[float, float] = _NO_WINDOW) -> None:
+    def call_ended(self, serving: int, wait: float, window: tuple[float, float] = NO_WINDOW) -> None:
         """A call ended, ``serving`` calls left: at none, the workers are continued, and stopped
         again in ``window`` (perf_counter seconds, [from, until)) unless a call starts first: the
         next call of a steady stream is due then (arrivals.py)."""
@@ -201,7 +202,7 @@ class WorkerPause:
         # change (inf: none).
         start, until = self._window
         if self._ahead and now >= until:  # the prediction missed: they run again
-            self._ahead, self._window = False, _NO_WINDOW
+            self._ahead, self._window = False, NO_WINDOW
             self._continue(now)
             return 0.0
         if now < start or start == math.inf:

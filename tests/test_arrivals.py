@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 
-from tessera.arrivals import _MISS, _SEEN, _SHARE, LEAD, Arrivals
+from tessera.arrivals import _MISS, _SEEN, _SHARE, LEAD, NO_WINDOW, Arrivals
 
-NONE = (math.inf, math.inf)
+NONE = NO_WINDOW
 
 
 def _serve(arrivals: Arrivals, starts_and_ends: list[tuple[float, float]]) -> None:
