@@ -33,7 +33,7 @@ import math
 LEAD = 0.002  # seconds before a predicted call that paced threads stop
 _MISS = 0.001  # seconds after it (at least) before the prediction is taken as missed
 _SHARE = 3  # a window is at most this fraction (its inverse) of the gap it is in
-_SEEN = 8  # intervals seen before a prediction
+_SEEN = 5  # intervals seen before a prediction (the last four give the spread)
 _STEADY = 0.1  # the most spread, of the period, that still predicts
 _WEIGHT = 0.2  # of each new interval in the averages
 NO_WINDOW = (math.inf, math.inf)  # no call predicted: nothing waits for one
@@ -50,11 +50,14 @@ class _Fit:
         self.seen = 0
 
     def add(self, interval: float) -> None:
-        if not self.seen:  # the spread from the next ones: none is known before they are seen
+        # Plain averages of the first few (the first interval has no spread to give: that starts
+        # with the second), then running ones: a stream is known from its first handful of calls,
+        # where the running averages alone would start from nothing and read as steady.
+        if not self.seen:
             self.mean, self.spread = interval, 0.0
         else:
-            self.spread += _WEIGHT * (abs(interval - self.mean) - self.spread)
-            self.mean += _WEIGHT * (interval - self.mean)
+            self.spread += max(_WEIGHT, 1 / self.seen) * (abs(interval - self.mean) - self.spread)
+            self.mean += max(_WEIGHT, 1 / (self.seen + 1)) * (interval - self.mean)
         self.seen += 1
 
     def steady(self) -> bool:

@@ -57,6 +57,7 @@ import time
 from typing import Any
 
 from tessera.arrivals import NO_WINDOW
+from tessera.priority import wakeup_preemption
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class WorkerPause:
         self._window = NO_WINDOW
         self._ahead = False
         self._continuing: threading.Thread | None = None
+        self._timely = True  # the continuing thread's wakes preempt (it starts as its creator's)
         self.stops = 0  # the times they were stopped (tests, the benchmark's record)
 
     @property
@@ -246,6 +248,13 @@ class WorkerPause:
                 # While workers are busy, a look every _LOOK seconds: a call that waits on
                 # something a stopped worker holds (a lock of the cache's) ends that way.
                 timeout = self._ahead_of_call(time.perf_counter())
+                # Only a wake at a window's start must be on time: the workers are stopped before
+                # the call's thread wakes. Any other (a call's end, the end of a window whose call
+                # came, a look) waits for the core's next switch rather than take a served call's.
+                timely = not self._ahead and time.perf_counter() < self._window[0] < math.inf
+                if timely != self._timely:
+                    self._timely = timely
+                    wakeup_preemption(timely)
                 self._asked.wait(min(timeout, _LOOK) if self._busy else None)
                 now = time.perf_counter()
                 if self._stopped and not self._ahead and now - self._since >= _LOOK:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from tessera.arrivals import _MISS, _SEEN, _SHARE, LEAD, NO_WINDOW, Arrivals
 
@@ -54,6 +55,28 @@ def test_no_prediction_before_enough_calls_nor_for_an_irregular_stream():
         at += 0.002 + rng.expovariate(1 / 0.02)
     _serve(irregular, calls)
     assert irregular.next_call() is None and irregular.window == NONE
+
+
+def test_a_steady_stream_is_known_from_its_first_calls_and_an_irregular_one_is_not_taken_for_one():
+    # What the background does before the stream is known is what delays its calls: the first
+    # handful must do. A wrong prediction costs the background a window; over 500 streams each.
+    def first_predicted(seed: int, step: Callable[[random.Random], float]) -> int | None:
+        rng, arrivals, at = random.Random(seed), Arrivals(), 0.0
+        for call in range(15):
+            _serve(arrivals, [(at, at + 0.002)])
+            if arrivals.next_call() is not None:
+                return call
+            at += 0.002 + step(rng)
+        return None
+
+    def predicted(step: Callable[[random.Random], float]) -> list[int | None]:
+        return [first_predicted(seed, step) for seed in range(500)]
+
+    assert set(predicted(lambda rng: rng.uniform(0.019, 0.021))) == {_SEEN}  # after _SEEN intervals
+    poisson = predicted(lambda rng: rng.expovariate(1 / 0.02))
+    assert sum(p is not None for p in poisson) <= 5
+    uneven = predicted(lambda rng: rng.uniform(0.01, 0.03))  # +-50%
+    assert sum(p is not None for p in uneven) <= 25
 
 
 def test_no_window_while_a_call_is_served_nor_before_a_gap_too_short_to_give_up():

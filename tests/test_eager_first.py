@@ -406,11 +406,11 @@ def test_a_paced_thread_stops_before_the_next_call_of_a_steady_stream():
         for call in range(30):
             with PACER.serving():
                 time.sleep(0.002)
-            time.sleep(0.015 - 2 * LEAD)
+            time.sleep(0.006)  # the middle of the gap, well before the window
             start = ticks[0]
             time.sleep(LEAD / 2)
             mid = ticks[0] - start
-            time.sleep(LEAD)
+            time.sleep(0.009 - LEAD)
             start = ticks[0]
             time.sleep(LEAD / 2)
             if call >= 15:

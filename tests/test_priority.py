@@ -50,6 +50,18 @@ def test_lowering_a_thread_leaves_the_others_and_normal_changes_nothing():
 
 
 @linux_only
+def test_a_thread_whose_wakeups_must_not_preempt_is_sched_batch_at_its_own_nice_and_back():
+    before = _nice(), os.sched_getscheduler(0)
+
+    def batch_then_back() -> tuple[bool, int, int, bool, int]:
+        off = priority.wakeup_preemption(False), os.sched_getscheduler(0), _nice()
+        return (*off, priority.wakeup_preemption(True), os.sched_getscheduler(0))
+
+    assert in_thread(batch_then_back) == (True, os.SCHED_BATCH, before[0], True, os.SCHED_OTHER)
+    assert (_nice(), os.sched_getscheduler(0)) == before  # the calling thread keeps its own
+
+
+@linux_only
 def test_a_compile_worker_at_low_runs_at_sched_idle_and_at_nice_19_where_that_is_refused(monkeypatch):
     # It is stopped while a call is served (worker_pause.py) and holds no GIL of the server's: a
     # woken served thread then takes its core at once, where nice 19 lets it finish its slice.

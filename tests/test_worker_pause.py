@@ -120,6 +120,9 @@ def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spin
     assert (signal.SIGSTOP, me) in [(sig, who) for sig, who, _ in senders]
     continued = [who for sig, who, _ in senders if sig == signal.SIGCONT]
     assert continued and me not in continued
+    # Woken as a call ends, it must not take the call's core before the call returns.
+    (thread,) = [t for t in threading.enumerate() if t.ident in continued]
+    assert thread.native_id is not None and os.sched_getscheduler(thread.native_id) == os.SCHED_BATCH
 
 
 @linux_only
