@@ -16,11 +16,12 @@ BERT and ViT streams (``benchmarks/first_minute.py``, a call every 20 ms):
 
 A steady stream says when its next call will come. ``Arrivals`` learns that from the starts and ends
 of the calls served (the time from one start to the next, and from an end to the next start; the
-steadier of the two predicts), and while the prediction holds, a paced thread stops ``LEAD`` before
-the predicted start (``Pacer.paced``) and waits for the call, or for ``miss`` past the prediction
-before it takes the stream for changed and runs on. The window takes at most a third of the gap it
-is in (a stream of gaps under 9 ms, the decode loop of ``generate()``, gets none: the background
-needs them), and a stream that is not steady (a spread of over a tenth of its period) is not
+steadier of the two predicts; from the stream's fifth interval on, since what the background does
+before then is what delays the stream's first calls), and while the prediction holds, a paced
+thread stops ``LEAD`` before the predicted start (``Pacer.paced``) and waits for the call, or for
+``miss`` past the prediction before it takes the stream for changed and runs on. The window takes
+at most a third of the gap it is in (a stream of gaps under 9 ms, the decode loop of
+``generate()``, gets none: the background needs them), and a stream that is not steady (a spread of over a tenth of its period) is not
 predicted: the background then runs as pacing alone lets it. The price is the background's time in
 the window, ``LEAD`` and the call's lateness on the prediction per call (about a tenth of a 20 ms
 gap).

@@ -42,6 +42,8 @@ import os
 import sys
 import threading
 
+from tessera._libc import libc
+
 log = logging.getLogger(__name__)
 
 PRIORITIES = ("low", "idle", "normal")
@@ -78,10 +80,17 @@ def wakeup_preemption(on: bool) -> bool:
     on time (the workers stopped before a predicted call) is made with it on."""
     if not (sys.platform.startswith("linux") and hasattr(os, "SCHED_BATCH")):
         return False
-    try:
-        os.sched_setscheduler(0, os.SCHED_OTHER if on else os.SCHED_BATCH, os.sched_param(0))
-    except OSError as e:  # a sandbox that forbids it: the thread wakes as any other
-        log.debug("cannot change this thread's scheduling policy: %s", e)
+    import ctypes
+
+    # Reason: os.sched_setscheduler holds the GIL through the system call, and a policy change
+    # may switch the core to another task in it (a compiler at SCHED_IDLE that has not run is
+    # eligible): ``benchmarks/gil_holders.py`` saw it hold the GIL 2.7 ms. A ctypes call releases
+    # the GIL. On Linux, pid 0 is the calling thread.
+    priority = ctypes.c_int(0)  # struct sched_param: its one field
+    policy = os.SCHED_OTHER if on else os.SCHED_BATCH
+    if libc().sched_setscheduler(0, policy, ctypes.byref(priority)) != 0:
+        # A sandbox that forbids it: the thread wakes as any other.
+        log.debug("cannot change this thread's scheduling policy: %s", os.strerror(ctypes.get_errno()))
         return False
     return True
 

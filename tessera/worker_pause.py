@@ -14,7 +14,11 @@ call (a few microseconds). They are continued (SIGCONT) when no call is served, 
 this module's, not the call's: a continued compiler can take the core of the thread that continues
 it for a whole slice of the kernel's (seen on Linux 6.18, the 2-core CPU: the calling thread,
 preempted inside the SIGCONT for 2-4.5 ms while the other core idled, in 2% of the calls), and the
-call's caller must not wait for that. They compile in the gaps between the calls. Before the next
+call's caller must not wait for that. That thread is woken by each call's end, and so that it does
+not take the call's core before the call has returned (at ``SCHED_OTHER`` it did, in a third of
+tiny BERT's first-minute calls), it waits at ``SCHED_BATCH`` but for the one wake that must be on
+time, a window's start (below; ``priority.wakeup_preemption``). They compile in the gaps between
+the calls. Before the next
 call of a steady stream (arrivals.py) the continuing thread stops them again, ``arrivals.LEAD``
 early, so that the call's thread wakes to an idle core: a worker it preempts as it wakes stays
 queued on its core, and the kernel runs it there again at the end of the call's slice, whatever
@@ -47,15 +51,14 @@ workers continues them first (``forget``). POSIX only: elsewhere nothing is stop
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import math
 import os
 import signal
 import threading
 import time
-from typing import Any
 
+from tessera._libc import libc
 from tessera.arrivals import NO_WINDOW
 from tessera.priority import wakeup_preemption
 
@@ -89,6 +92,7 @@ class WorkerPause:
         self._resumed = 0.0  # when they were last continued
         self._owed = 0.0  # seconds stopped since they last had a typical call's time to run
         self._to_continue: list[int] = []  # for the continuing thread
+        self._to_stop: list[int] = []  # for the continuing thread: ahead of a predicted call
         self._let_run = False  # until no call is served: a call waits on them, or outlasted ``wait``
         # Before a steady stream's predicted next call (arrivals.py): [from, until) in which the
         # busy workers are stopped ahead of it; and whether they are stopped so, no call yet.
@@ -129,6 +133,8 @@ class WorkerPause:
                 self._ahead = self._ahead and bool(self._stopped)
             if pid in self._to_continue:  # continued here, not taken for stopped by the next call
                 self._to_continue.remove(pid)
+            if pid in self._to_stop:
+                self._to_stop.remove(pid)
         if stopped:
             _signal(pid, _CONT)
 
@@ -210,10 +216,26 @@ class WorkerPause:
         if now < start or start == math.inf:
             return start - now
         if not (self._ahead or self._stopped or self._to_continue or self._let_run) and now < until:
-            self._stopped = [pid for pid in self._busy if _signal(pid, _STOP)]
+            # Taken for stopped from now on (a call that starts sends no SIGSTOP of its own); the
+            # signals go out after the lock is released (``_send_stops``).
+            self._stopped, self._to_stop = list(self._busy), list(self._busy)
             self._ahead, self._since = bool(self._stopped), now
             self.stops += self._ahead
         return until - now if self._ahead else math.inf
+
+    def _send_stops(self) -> None:
+        # The continuing thread's SIGSTOPs ahead of a call, outside the lock and without the GIL:
+        # the kernel may preempt the sender in the system call (a compiler at SCHED_IDLE that has
+        # not run is eligible to), and a sender that held either would keep the call waiting
+        # (``benchmarks/gil_holders.py``: a 3.2 ms ``kill`` on tiny ViT's first minute).
+        with self._lock:
+            pids, self._to_stop = self._to_stop, []
+        for pid in pids:
+            _signal(pid, _STOP, hold_gil=False)
+        with self._lock:  # one forgotten meanwhile was continued before its SIGSTOP: again
+            gone = [pid for pid in pids if pid not in self._busy]
+        for pid in gone:
+            _signal(pid, _CONT, hold_gil=False)
 
     def _outlasted(self, now: float, wait: float) -> None:
         # Under the lock: calls with no gap between them kept the workers stopped for ``wait``.
@@ -252,9 +274,8 @@ class WorkerPause:
                 # the call's thread wakes. Any other (a call's end, the end of a window whose call
                 # came, a look) waits for the core's next switch rather than take a served call's.
                 timely = not self._ahead and time.perf_counter() < self._window[0] < math.inf
-                if timely != self._timely:
-                    self._timely = timely
-                    wakeup_preemption(timely)
+                if self._to_stop or timely != self._timely:
+                    break  # signals and the policy outside the lock, then round again
                 self._asked.wait(min(timeout, _LOOK) if self._busy else None)
                 now = time.perf_counter()
                 if self._stopped and not self._ahead and now - self._since >= _LOOK:
@@ -269,26 +290,24 @@ class WorkerPause:
                     left = self._resumed + GRACE - now
                     if left > 0:
                         self._asked.wait(left)
+            else:
+                timely = self._timely
             pids, self._to_continue = self._to_continue, []
+        self._send_stops()
+        if timely != self._timely:  # only this thread changes it
+            self._timely = timely
+            wakeup_preemption(timely)
         for pid in pids:  # outside the lock: a call that starts meanwhile does not wait for it
             _signal(pid, _CONT, hold_gil=False)
         with self._lock:
             # A call started between the lock's release and the signal: stopped again for it.
             again = [pid for pid in pids if pid in self._stopped]
         for pid in again:
-            _signal(pid, _STOP)
+            _signal(pid, _STOP, hold_gil=False)
 
     def after_fork(self) -> None:
         """A forked child has none of these workers, nor the continuing thread."""
         self._reset()
-
-
-@functools.cache
-def _libc_killpg() -> Any:
-    import ctypes
-    import ctypes.util
-
-    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).killpg
 
 
 def _signal(pid: int, sig: signal.Signals | None, hold_gil: bool = True) -> bool:
@@ -300,7 +319,7 @@ def _signal(pid: int, sig: signal.Signals | None, hold_gil: bool = True) -> bool
         import ctypes
 
         # Reason: os.killpg holds the GIL through the system call; a ctypes call releases it.
-        if _libc_killpg()(pid, int(sig)) == 0:
+        if libc().killpg(pid, int(sig)) == 0:
             return True
         if ctypes.get_errno() != errno.ESRCH:
             return False

@@ -452,6 +452,8 @@ def test_workers_stopped_ahead_of_a_call_stay_stopped_for_it_and_run_again_if_it
         assert pause._ahead_of_call(clock.now) == pytest.approx(0.010)  # not yet
         clock.now = window[0]
         pause._ahead_of_call(clock.now)  # the continuing thread, at the window's start
+    assert sent == [] and pause.stopped() == [7]  # taken for stopped; the signal goes out unlocked
+    pause._send_stops()
     assert sent == [(7, stop)] and pause.stopped() == [7]
     clock.now += 0.001
     pause.call_started(1, WAIT, STARVED, TYPICAL)  # the call comes: no second SIGSTOP
@@ -473,6 +475,22 @@ def test_workers_stopped_ahead_of_a_call_stay_stopped_for_it_and_run_again_if_it
         clock.now = window[1]
         assert pause._ahead_of_call(clock.now) == 0.0  # the call did not come: they run again
         assert pause._stopped == [] and pause._to_continue == [7] and not pause._ahead
+
+
+def test_a_worker_forgotten_before_its_stop_ahead_went_out_is_continued_after_it(made_up):
+    pause, clock, sent = made_up
+    window = (clock.now + 0.010, clock.now + 0.013)
+    pause.call_ended(0, WAIT, window)
+    clock.now = window[0]
+    with pause._lock:
+        pause._ahead_of_call(clock.now)
+        pids = list(pause._to_stop)
+    pause.forget(7)  # the pool stops the worker: continued (it was taken for stopped)
+    assert pause.stopped() == [] and pause._to_stop == []
+    sent.clear()
+    pause._to_stop = pids  # as if the continuing thread had taken them before the forget
+    pause._send_stops()
+    assert sent == [(7, signal.SIGSTOP), (7, signal.SIGCONT)]  # not left stopped
 
 
 def test_no_worker_is_stopped_ahead_while_a_call_waits_on_them_nor_after_a_call_came(made_up):
