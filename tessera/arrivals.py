@@ -21,10 +21,10 @@ before then is what delays the stream's first calls), and while the prediction h
 thread stops ``LEAD`` before the predicted start (``Pacer.paced``) and waits for the call, or for
 ``miss`` past the prediction before it takes the stream for changed and runs on. The window takes
 at most a third of the gap it is in (a stream of gaps under 9 ms, the decode loop of
-``generate()``, gets none: the background needs them), and a stream that is not steady (a spread of over a tenth of its period) is not
-predicted: the background then runs as pacing alone lets it. The price is the background's time in
-the window, ``LEAD`` and the call's lateness on the prediction per call (about a tenth of a 20 ms
-gap).
+``generate()``, gets none: the background needs them), and a stream that is not steady (a spread
+of over a tenth of its period) is not predicted: the background then runs as pacing alone lets it.
+The price is the background's time in the window, ``LEAD`` and the call's lateness on the
+prediction per call (about a tenth of a 20 ms gap).
 """
 
 from __future__ import annotations
