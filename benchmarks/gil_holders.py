@@ -27,7 +27,19 @@ from typing import Any
 from benchmarks import cold_caches, header
 
 # C calls that wait with the GIL released: long, but they hold nothing a served call needs.
-RELEASING = {"acquire", "get", "read", "readinto", "sleep", "poll", "select", "wait", "waitpid", "recv", "fsync"}
+RELEASING = {
+    "acquire",
+    "get",
+    "read",
+    "readinto",
+    "sleep",
+    "poll",
+    "select",
+    "wait",
+    "waitpid",
+    "recv",
+    "fsync",
+}
 
 
 def run(name: str, seconds: float, min_seconds: float) -> dict[str, Any]:
