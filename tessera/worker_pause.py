@@ -17,14 +17,14 @@ preempted inside the SIGCONT for 2-4.5 ms while the other core idled, in 2% of t
 call's caller must not wait for that. That thread is woken by each call's end, and so that it does
 not take the call's core before the call has returned (at ``SCHED_OTHER`` it did, in a third of
 tiny BERT's first-minute calls), it waits at ``SCHED_BATCH`` but for the one wake that must be on
-time, a window's start (below; ``priority.wakeup_preemption``). They compile in the gaps between
-the calls. Before the next
-call of a steady stream (arrivals.py) the continuing thread stops them again, ``arrivals.LEAD``
-early, so that the call's thread wakes to an idle core: a worker it preempts as it wakes stays
-queued on its core, and the kernel runs it there again at the end of the call's slice, whatever
-its priority (EEVDF's eligibility; seen on Linux 6.18 with ftrace, a compiler exiting for 4 ms in
-the middle of a call while the other core idled; a process exiting takes no SIGSTOP). If the call
-does not come in the window they are continued. Two bounds keep them from waiting for good,
+time, a window's start (below; ``priority.wakeup_preemption``); its signals and policy changes go
+through libc, with the GIL released and its lock not held. They compile in the gaps between the
+calls. Before the next call of a steady stream (arrivals.py) the continuing thread stops them
+again, ``arrivals.LEAD`` early, so that the call's thread wakes to an idle core: a worker it
+preempts as it wakes stays queued on its core, and the kernel runs it there again at the end of
+the call's slice, whatever its priority (EEVDF's eligibility; seen on Linux 6.18 with ftrace, a
+compiler exiting for 4 ms in the middle of a call while the other core idled; a process exiting
+takes no SIGSTOP). If the call does not come in the window they are continued. Two bounds keep them from waiting for good,
 checked as calls start and end:
 
 - once they were kept stopped ``starved`` seconds (pacing's six typical calls) with no gap of a
