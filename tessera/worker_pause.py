@@ -24,8 +24,8 @@ again, ``arrivals.LEAD`` early, so that the call's thread wakes to an idle core:
 preempts as it wakes stays queued on its core, and the kernel runs it there again at the end of
 the call's slice, whatever its priority (EEVDF's eligibility; seen on Linux 6.18 with ftrace, a
 compiler exiting for 4 ms in the middle of a call while the other core idled; a process exiting
-takes no SIGSTOP). If the call does not come in the window they are continued. Two bounds keep them from waiting for good,
-checked as calls start and end:
+takes no SIGSTOP). If the call does not come in the window they are continued. Two bounds keep
+them from waiting for good, checked as calls start and end:
 
 - once they were kept stopped ``starved`` seconds (pacing's six typical calls) with no gap of a
   typical call's length to run in, the next call runs beside them, and the count starts again: a
