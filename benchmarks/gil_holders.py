@@ -8,7 +8,9 @@ released (lock waits, reads, sleeps). Per C function: how many, the longest, the
 Python function that called the longest. A C call that calls back into Python (``all`` over a
 generator) is listed too, though pacing can stop it there; and with ``PYTHONDONTWRITEBYTECODE``
 set, modules whose bytecode is stale are compiled from source at import (``builtins.compile``
-called from importlib), which an installed package does not do.
+called from importlib), which an installed package does not do. ``in_served_calls``: the kept C
+calls that overlapped a served call, with the second of the stream and the overlap (the longest
+a call could have waited on them; one that calls back into Python may have waited there instead).
 
 ``python -m benchmarks.gil_holders [--model bert] [--seconds 30] [--threads 1]``
 """
@@ -48,6 +50,8 @@ def run(name: str, seconds: float, min_seconds: float) -> dict[str, Any]:
     from benchmarks.first_minute import SIZES, _build
 
     held: list[tuple[str, float, str]] = []  # (C function, seconds, its Python caller)
+    spans: list[tuple[float, float, str, str]] = []  # the same, as (start, end, function, caller)
+    served: list[tuple[float, float]] = []  # the served calls' (start, end)
     started: dict[int, tuple[float, Any, str]] = {}
 
     def hook(frame: Any, event: str, arg: Any) -> None:
@@ -64,6 +68,7 @@ def run(name: str, seconds: float, min_seconds: float) -> dict[str, Any]:
             if took >= min_seconds and function.rsplit(".", 1)[-1] not in RELEASING:
                 module = getattr(begun[1], "__module__", None) or ""
                 held.append((f"{module}.{function}".lstrip("."), took, begun[2]))
+                spans.append((begun[0], begun[0] + took, f"{module}.{function}".lstrip("."), begun[2]))
 
     model, inputs = _build(name)
     sizes = SIZES[name]
@@ -76,7 +81,10 @@ def run(name: str, seconds: float, min_seconds: float) -> dict[str, Any]:
     with torch.inference_mode():
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
-            model(*inputs(rng.choice(sizes)))
+            args = inputs(rng.choice(sizes))
+            began = time.perf_counter()
+            model(*args)
+            served.append((began, time.perf_counter()))
             time.sleep(0.02)
     threading.setprofile(None)  # type: ignore[arg-type]
     by_function: dict[str, dict[str, Any]] = {}
@@ -87,7 +95,16 @@ def run(name: str, seconds: float, min_seconds: float) -> dict[str, Any]:
         if took * 1e3 > seen["longest_ms"]:
             seen["longest_ms"], seen["longest_called_from"] = round(took * 1e3, 2), caller
     ranked = sorted(by_function.items(), key=lambda item: -item[1]["longest_ms"])
-    return {"model": name, "seconds": seconds, "held": dict(ranked[:25])}
+    # The holds that overlapped a served call (the call may have waited for the GIL that long):
+    # [second of the stream, ms of overlap, function, caller], the longest first.
+    overlaps: list[tuple[float, float, str, str]] = []
+    for begin, end, function, caller in spans:
+        for call_start, call_end in served:
+            overlap = min(end, call_end) - max(begin, call_start)
+            if overlap > 0:
+                overlaps.append((round(call_start - start, 3), round(overlap * 1e3, 2), function, caller))
+    overlaps.sort(key=lambda item: -item[1])
+    return {"model": name, "seconds": seconds, "held": dict(ranked[:25]), "in_served_calls": overlaps[:20]}
 
 
 def main(argv: list[str] | None = None) -> int:
