@@ -230,11 +230,18 @@ class WorkerPause:
         # (``benchmarks/gil_holders.py``: a 3.2 ms ``kill`` on tiny ViT's first minute).
         with self._lock:
             pids, self._to_stop = self._to_stop, []
+        self._stop_unlocked(pids)
+
+    def _stop_unlocked(self, pids: list[int]) -> None:
+        # SIGSTOP ``pids`` outside the lock; then any no longer counted as stopped (forgotten
+        # meanwhile, and so continued before its SIGSTOP; perhaps busy again since) is continued,
+        # or it would stay stopped with nothing to continue it. One continued by a call's end
+        # meanwhile is in ``_to_continue``: the next round continues it.
         for pid in pids:
             _signal(pid, _STOP, hold_gil=False)
-        with self._lock:  # one forgotten meanwhile was continued before its SIGSTOP: again
-            gone = [pid for pid in pids if pid not in self._busy]
-        for pid in gone:
+        with self._lock:
+            loose = [pid for pid in pids if pid not in self._stopped and pid not in self._to_continue]
+        for pid in loose:
             _signal(pid, _CONT, hold_gil=False)
 
     def _outlasted(self, now: float, wait: float) -> None:
@@ -302,8 +309,7 @@ class WorkerPause:
         with self._lock:
             # A call started between the lock's release and the signal: stopped again for it.
             again = [pid for pid in pids if pid in self._stopped]
-        for pid in again:
-            _signal(pid, _STOP, hold_gil=False)
+        self._stop_unlocked(again)
 
     def after_fork(self) -> None:
         """A forked child has none of these workers, nor the continuing thread."""

@@ -122,7 +122,9 @@ def test_the_continue_goes_out_from_a_thread_of_its_own_not_the_calling_one(spin
     assert continued and me not in continued
     # Woken as a call ends, it must not take the call's core before the call returns.
     (thread,) = [t for t in threading.enumerate() if t.ident in continued]
-    assert thread.native_id is not None and os.sched_getscheduler(thread.native_id) == os.SCHED_BATCH
+    tid = thread.native_id
+    assert tid is not None
+    _until(lambda: os.sched_getscheduler(tid) == os.SCHED_BATCH, "the continuing thread waits at batch")
 
 
 @linux_only
@@ -485,12 +487,44 @@ def test_a_worker_forgotten_before_its_stop_ahead_went_out_is_continued_after_it
     with pause._lock:
         pause._ahead_of_call(clock.now)
         pids = list(pause._to_stop)
-    pause.forget(7)  # the pool stops the worker: continued (it was taken for stopped)
+    pause.forget(7)  # its job ended: continued (it was taken for stopped)
     assert pause.stopped() == [] and pause._to_stop == []
+    pause.busy(7)  # and its next job began
     sent.clear()
     pause._to_stop = pids  # as if the continuing thread had taken them before the forget
     pause._send_stops()
-    assert sent == [(7, signal.SIGSTOP), (7, signal.SIGCONT)]  # not left stopped
+    assert sent == [(7, signal.SIGSTOP), (7, signal.SIGCONT)]  # not left stopped, untracked
+
+
+def test_a_worker_forgotten_before_its_stop_again_went_out_is_continued_after_it(made_up, monkeypatch):
+    # The continuing thread's SIGCONT met a call that had started: the worker is stopped again for
+    # it, outside the lock; a forget in between must not leave it stopped for good.
+    pause, clock, sent = made_up
+    real_signal = worker_pause._signal
+
+    events = ["call", "forget"]
+
+    def forget_before_the_restop(pid, sig, hold_gil=True):
+        if sig == signal.SIGSTOP and not hold_gil and events[:1] == ["forget"]:
+            events.pop(0)  # before the continuing thread's re-stop: the job ends, the next begins
+            pause.forget(pid)
+            pause.busy(pid)
+        sent_now = real_signal(pid, sig, hold_gil)
+        if sig == signal.SIGCONT and events[:1] == ["call"]:
+            events.pop(0)
+            pause.call_started(1, WAIT, STARVED, TYPICAL)  # a call starts as the SIGCONT goes out
+        return sent_now
+
+    monkeypatch.setattr(pause, "_continue_asked", lambda: None)  # this test runs its rounds
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    clock.now += TYPICAL
+    pause.call_ended(0, WAIT)
+    clock.now += 1.0  # past the grace
+    monkeypatch.setattr(worker_pause, "_signal", forget_before_the_restop)
+    sent.clear()
+    pause._continue_once()
+    assert events == []  # both happened
+    assert sent[-1] == (7, signal.SIGCONT) and pause.stopped() == []  # not left stopped, untracked
 
 
 def test_no_worker_is_stopped_ahead_while_a_call_waits_on_them_nor_after_a_call_came(made_up):
