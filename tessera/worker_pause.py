@@ -135,8 +135,8 @@ class WorkerPause:
                 self._to_continue.remove(pid)
             if pid in self._to_stop:
                 self._to_stop.remove(pid)
-        if stopped:
-            _signal(pid, _CONT)
+        if stopped:  # from a pool's thread as a job ends, beside the calls: as the others, unlocked
+            _signal(pid, _CONT, hold_gil=False)
 
     def call_started(self, serving: int, wait: float, starved: float, typical: float) -> None:
         """A call began, ``serving`` calls with it: the first stops the busy workers (see the

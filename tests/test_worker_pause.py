@@ -527,6 +527,22 @@ def test_a_worker_forgotten_before_its_stop_again_went_out_is_continued_after_it
     assert sent[-1] == (7, signal.SIGCONT) and pause.stopped() == []  # not left stopped, untracked
 
 
+def test_a_stopped_worker_forgotten_is_continued_without_the_gil(made_up, monkeypatch):
+    # Forgotten by the pool's thread as a job ends, beside the calls served: a continued compiler
+    # can take that thread's core inside the system call, which must not hold the GIL then.
+    pause, _, _ = made_up
+    sent = []
+
+    def record(pid: int, sig: signal.Signals, hold_gil: bool = True) -> bool:
+        sent.append((sig, hold_gil))
+        return True
+
+    monkeypatch.setattr(worker_pause, "_signal", record)
+    pause.call_started(1, WAIT, STARVED, TYPICAL)
+    pause.forget(7)
+    assert sent == [(signal.SIGSTOP, True), (signal.SIGCONT, False)]
+
+
 def test_no_worker_is_stopped_ahead_while_a_call_waits_on_them_nor_after_a_call_came(made_up):
     pause, clock, sent = made_up
     window = (clock.now + 0.010, clock.now + 0.013)
