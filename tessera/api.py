@@ -29,10 +29,8 @@ from tessera.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
-from tessera.heap import HEAP
 from tessera.lifecycle import Lifecycle, Stage
 from tessera.model_view import ModelView
-from tessera.pacing import PACER
 from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
 
 # The traces, the compile and the report are imported where first used: a cold first call is
@@ -88,8 +86,6 @@ class CompiledModel(ModelView):
         on_compiled: Callable[[CompileReport], Any] | None = None,
     ) -> None:
         self.model, self._on_compiled, self.prefix = model, on_compiled, prefix
-        if config.freeze_heap:  # the parts' cycles, once a freeze reaches them (heap.py); not at exit
-            weakref.finalize(self, HEAP.dropped, HEAP.freezes, self.__dict__).atexit = False
         self.compile_config = config  # tessera's; `.config` reads the model's (a diffusers pipeline does)
         self._func, self._bound_to = split_callable(model)
         self._module = model if isinstance(model, torch.nn.Module) else None
@@ -141,9 +137,6 @@ class CompiledModel(ModelView):
             # inside another tessera model, or by itself (recursion). The outer trace owns it:
             # it inlines the model, as torch.compile inlines a nested compiled function.
             return self.model(*args, **kwargs)
-        if PACER.threads:  # a trace or compile runs in the background: it gives way to this call
-            with PACER.serving(eagerly=self._life.stage is Stage.EAGER):
-                return self._life.call(*args, **kwargs)
         return self._life.call(*args, **kwargs)
 
     # -- what a user reads (and model_view.py) ---------------------------------------------------
@@ -340,9 +333,8 @@ class CompiledModel(ModelView):
 
     # -- eager first (beside.py) --------------------------------------------------------------------
     def _new_beside(self, trace: Tracer) -> Beside:
-        config = self.compile_config
-        beside = Beside(self.name, self._target, trace, config.background_priority, config.freeze_heap)
-        beside.on_failure, beside.at_exit = weakly(self._trace_beside_failed), weakly(self.wait_ready)
+        beside = Beside(self.name, self._target, trace)
+        beside.on_failure = weakly(self._trace_beside_failed)
         beside.owner = weakref.ref(self)
         return beside
 

@@ -8,9 +8,14 @@ state, a Hugging Face cache, the RNG are written once, by eager. It traces what 
 arguments are copied before eager runs, so later calls changing them change nothing here. Once the
 trace serves, its check applies to every call, and its pieces compile beside it (schedule.py).
 
-Calls that arrive while a trace is being made are served eagerly too. A model whose trace fails
-keeps serving eagerly: said once, with the reason. Background threads give way to the calls being
-served (pacing.py), so eager's latency holds while the trace and the compiles run.
+Calls that arrive while a trace is being made are served eagerly too (a call eager rejects raises
+eager's error and is not kept). A model whose trace fails keeps serving eagerly: said once, with
+the reason.
+
+Not the default (``CompileConfig.eager_first``): the trace thread shares the process with the
+user's code. Dynamo saves the global RNG state as a trace starts and sets it back as it ends, in the
+trace's thread, so draws the user's code makes meanwhile are undone and repeat; and the trace
+imports Dynamo and Inductor while the user's code may import them too (docs/process.md).
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from tessera import _compat, counters
 from tessera.assumption import Mismatch
 from tessera.compile_state import COMPILE_LOCK
 from tessera.errors import first_line
-from tessera.pacing import PACER
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +97,8 @@ class Beside:
         name: str,
         forward: Callable[..., Any],
         trace: Tracer,
-        priority: str = "low",
-        freeze_heap: bool = True,
     ) -> None:
         self.name = name
-        self.priority = priority  # the trace thread's CPU priority (priority.py)
-        self.freeze_heap = freeze_heap  # no full collection while it traces (heap.py)
         self._forward = forward
         self.tracer = trace  # what traces each call (replaceable: api.py's cold first call)
         self._lock = threading.Lock()
@@ -109,7 +109,6 @@ class Beside:
         self.on_failure: Callable[[BaseException], None] | None = None
         self.eager_calls = 0
         self.eager_span = (0.0, 0.0)  # wall clock: the first eager call's start, the last one's end
-        self.at_exit: Callable[[], Any] | None = None  # waits for the compiles the traces started
         # The compiled model, weakly (acyclic.py): held by the trace thread while it runs, so that
         # a model dropped meanwhile (a function's local) still leaves its traces in the cache.
         self.owner: Callable[[], Any] = lambda: None
@@ -140,15 +139,17 @@ class Beside:
         meanwhile still leaves every trace its calls needed in the cache)."""
         room = self.failure is None and len(self._missed) < MISSED
         size = tensor_bytes((args, kwargs)) if room else 0
-        if room and self._kept + size <= MISSED_BYTES:
-            state = CallerState.current()
-            seen = _copied(self.name, args, kwargs) if state is not None else None
-            if seen is not None and state is not None:
-                with self._lock:
-                    if self._pending and len(self._missed) < MISSED:
-                        self._missed.append((seen, state))
-                        self._kept += size
-        return self.eager(args, kwargs)
+        seen: Call | None = None
+        state = CallerState.current() if room and self._kept + size <= MISSED_BYTES else None
+        if state is not None:
+            seen = _copied(self.name, args, kwargs)  # as the call saw it, before eager runs
+        output = self.eager(args, kwargs)  # a call eager rejects raises here, and is not kept
+        if seen is not None and state is not None:
+            with self._lock:
+                if self._pending and len(self._missed) < MISSED:
+                    self._missed.append((seen, state))
+                    self._kept += size
+        return output
 
     def serve(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str, mismatches: list[Mismatch]
@@ -169,13 +170,11 @@ class Beside:
         if seen is None:  # an argument that cannot be copied: traced on this thread
             self._start(None)
             return None
-        began = time.perf_counter()
         try:
             output = self.eager(args, kwargs)
         except BaseException:
             self._start(None)  # eager's error is the caller's: no trace of a call eager rejects
             raise
-        PACER.measured(time.perf_counter() - began)  # the paced trace's measure of a call
         self._start((seen, reason, mismatches, state))
         return (output,)
 
@@ -190,7 +189,14 @@ class Beside:
         from tessera.background import start_thread  # off `import tessera`
 
         name, owner = f"tessera-trace-{self.name}", self.owner()
-        start_thread(name, self._run, job, owner, priority=self.priority, freeze_heap=self.freeze_heap)
+        finish = owner is not None and owner.compile_config.finish_at_exit
+        if (
+            start_thread(name, self._run, job, owner, finish_at_exit=finish) is None
+        ):  # the process exits: nothing traced
+            with self._lock:
+                self._missed.clear()
+                self._pending = False
+                self.landed.set()
 
     def _run(self, job: Job | None, owner: Any) -> None:  # owner: held while the thread runs
         # The compiles the traces start wait until the last call kept meanwhile is traced: each
@@ -202,12 +208,6 @@ class Beside:
             while job is not None:
                 self._trace_one(*job)
                 job = self._next()
-        if self.at_exit is not None and _compat.interpreter_exiting():
-            # The interpreter is exiting (the main thread ended while this trace was made): the
-            # exit joins this thread before thread pools refuse work (start_thread), but not the
-            # compile thread the trace started, so this one waits for it: the compiles use those
-            # pools, and the next process finds every artifact.
-            self.at_exit()
 
     def _trace_one(self, seen: Call, reason: str, mismatches: list[Mismatch], state: CallerState) -> None:
         try:

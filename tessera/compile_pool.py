@@ -17,13 +17,13 @@ never make one fail.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
 import pickle
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from tessera import counters
+from tessera.background import at_close
 from tessera.compile_jobs import READY, JobDone, JobFailed, PieceJob, read_message, write_message
-from tessera.worker_pause import PAUSE, kill_worker
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class _Worker(threading.Thread):
     def ensure_process(self) -> None:
         """Start the worker process unless it runs (one that died is replaced)."""
         with self.starting:
+            if self.pool.closed:
+                return
             if self.process is None or self.process.poll() is not None:
                 self.start_process()
 
@@ -102,9 +104,6 @@ class _Worker(threading.Thread):
             return
         self.process, self.start_problem = process, None
         self.started_up = started_up = threading.Event()
-        # Its imports (seconds of CPU) are work beside the served calls: stopped while one is
-        # (worker_pause.py), until it says READY, which a thread of its own waits for.
-        self.pool.busy(process.pid)
         waiter = threading.Thread(
             target=self._await_start, args=(process, started_up), name=f"{self.name}-start", daemon=True
         )
@@ -114,7 +113,6 @@ class _Worker(threading.Thread):
         try:
             self.start_problem = self._wait_ready(process)
         finally:
-            self.pool.idle(process.pid)
             started_up.set()
 
     def _wait_ready(self, process: subprocess.Popen[bytes]) -> str | None:
@@ -137,9 +135,7 @@ class _Worker(threading.Thread):
     def run(self) -> None:
         while True:
             payload, tag, replies = self.pool.jobs.get()
-            # The worker takes a core while the job runs: the calls served as traced leave it one.
-            with self.pool.compiling():
-                result = self.serve(payload)
+            result = self.serve(payload)
             replies.put(Reply(tag, result))
 
     def serve(self, payload: bytes) -> JobFailed | JobDone:
@@ -150,11 +146,7 @@ class _Worker(threading.Thread):
         self.started_up.wait()
         if self.start_problem is not None:
             return JobFailed(self.start_problem)
-        self.pool.busy(process.pid)  # stopped while calls are served (worker_pause.py)
-        try:
-            return self._job(process, payload)
-        finally:
-            self.pool.idle(process.pid)
+        return self._job(process, payload)
 
     def _job(self, process: subprocess.Popen[bytes], payload: bytes) -> JobDone | JobFailed:
         stdin: IO[bytes] | None = process.stdin
@@ -183,7 +175,6 @@ class _Worker(threading.Thread):
         process = self.process
         if process is None:
             return
-        self.pool.forget(process.pid)  # a stopped worker cannot read the end of its stdin
         if process.stdin is not None:
             with contextlib.suppress(OSError):
                 process.stdin.close()
@@ -211,6 +202,7 @@ class CompilePool:
         self.priority = priority
         self.workers = [_Worker(self, n) for n in range(count)]
         self.started = False
+        self.closed = False  # ended as the process exits: no worker is started again
         for worker in self.workers:
             worker.start()  # the feeding threads; the processes wait for start() or a job
 
@@ -234,35 +226,13 @@ class CompilePool:
         self.jobs.put((payload, tag, replies))
         return True
 
-    def compiling(self) -> contextlib.AbstractContextManager[None]:
-        """Counts a job's run as a compile beside the served calls (pacing.py); not at "normal"
-        priority, where nothing gives way on the cores."""
-        if self.priority == "normal":
-            return contextlib.nullcontext()
-        from tessera.pacing import PACER
-
-        return PACER.compiling()
-
-    def busy(self, pid: int) -> None:
-        """Worker ``pid`` starts or compiles: stopped while a call is served (worker_pause.py);
-        not at "normal" priority, where nothing gives way."""
-        if self.priority != "normal":
-            PAUSE.busy(pid)
-
-    def idle(self, pid: int) -> None:
-        if self.priority != "normal":
-            PAUSE.idle(pid)
-
-    def forget(self, pid: int) -> None:
-        PAUSE.forget(pid)
-
     def kill(self, process: subprocess.Popen[bytes]) -> None:
         """End a worker given up on, and the compilers it started (it is then replaced at the next
         job)."""
-        self.forget(process.pid)
-        if process.poll() is None and not kill_worker(process.pid):
+        if process.poll() is None and not _kill_group(process.pid):
             process.kill()
-        process.wait()
+        with contextlib.suppress(OSError):
+            process.wait()
 
     def stop(self) -> None:
         """End every worker: all told at once, then up to STOP_SECONDS for all of them together (a
@@ -273,12 +243,35 @@ class CompilePool:
         for worker in self.workers:
             worker.wait_stopped(deadline)
 
+    def end_now(self) -> None:
+        """End every worker at once, and the compilers it started: the process exits, and what
+        they compile would reach nothing (the next process compiles what is missing)."""
+        self.closed = True
+        for worker in self.workers:
+            process = worker.process
+            if process is not None:
+                self.kill(process)
+
+
+def _kill_group(pid: int) -> bool:
+    """SIGKILL worker ``pid`` with the compilers it started (its process group, compile_worker.py);
+    False where there is no process group to signal."""
+    sig = getattr(signal, "SIGKILL", None)
+    if sig is None or not hasattr(os, "killpg"):
+        return False
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):  # gone already, or not its own group
+        return False
+    return True
+
 
 def _worker_env(count: int, priority: str) -> dict[str, str]:
     env = dict(os.environ)
     # Each worker lowers its own CPU priority as it starts (priority.py): it competes with the
-    # calls this process serves, as a background compile thread does.
+    # calls this process serves. This process's threads keep theirs.
     env["TESSERA_BACKGROUND_PRIORITY"] = priority
+    env["TESSERA_PARENT_PID"] = str(os.getpid())  # the worker ends when this process is gone
     # The worker imports this very tessera, installed or not.
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
@@ -304,7 +297,7 @@ def shared_pool(count: int, priority: str = "low") -> CompilePool | None:
         pool = _pools.get("shared")
         if pool is None:
             pool = _pools["shared"] = CompilePool(count, priority)
-            # atexit runs after the interpreter joined the background compile threads (non-daemon),
-            # so no job is in flight when the workers are told to stop.
-            atexit.register(pool.stop)
+            # As the process begins to exit, before its threads are joined (background.py): the
+            # background compiles then stop waiting on the workers.
+            at_close(pool.end_now)
         return pool

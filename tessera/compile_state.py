@@ -143,6 +143,10 @@ def between_compiles() -> Iterator[None]:
         yield
 
 
+class DefaultDtypeMoved(RuntimeError):
+    """The process's default dtype differs from the trace's where a compile may not set it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileState:
     """What a traced call's compile depends on beyond its graph and inputs.
@@ -162,9 +166,12 @@ class CompileState:
         return cls(autocast, default_dtype, _compat.size_oblivious_enabled())
 
     @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Run a compile under this state, in any thread: no grad, this autocast, this dtype, and
-        size-oblivious reasoning where the trace had it."""
+    def applied(self, owns_process: bool = False) -> Iterator[None]:
+        """Run a compile under this state: no grad, this autocast, this dtype, and size-oblivious
+        reasoning where the trace had it. The default dtype is process-wide, not per thread: it is
+        set only where the compile ``owns_process`` (a compile worker); elsewhere a default dtype
+        other than the traced one raises ``DefaultDtypeMoved`` (the user's code meanwhile would
+        see it changed under it), and what serves keeps serving."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             if self.size_oblivious:
@@ -176,13 +183,12 @@ class CompileState:
                 stack.enter_context(torch.autocast(device, dtype=dtype))
             default = torch.get_default_dtype()
             if default != self.default_dtype:
-                # The default dtype is process-wide, not per thread: set for this compile only,
-                # and said, since code running meanwhile in another thread sees it too.
-                log.info(
-                    "compiling under the traced default dtype %s (the process has %s now)",
-                    self.default_dtype,
-                    default,
-                )
+                if not owns_process:
+                    raise DefaultDtypeMoved(
+                        f"the process's default dtype is {default} now, the trace's was "
+                        f"{self.default_dtype}: not compiled here (the compile workers, or the next "
+                        "process, compile it under the traced one)"
+                    )
                 torch.set_default_dtype(self.default_dtype)
                 stack.callback(torch.set_default_dtype, default)
             yield

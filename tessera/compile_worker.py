@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tessera.compile_jobs import JobDone, JobFailed, PieceJob
 
+PARENT_POLL_SECONDS = 0.25  # how often a worker looks whether its parent is still there
+
 
 def run(job: PieceJob) -> JobDone:
     """Compile ``job`` as the parent would have, into the entry's directory."""
@@ -41,7 +43,7 @@ def run(job: PieceJob) -> JobDone:
     compiler = InductorCompiler()
     compiler.initialize_cache(Path(job.cache_dir))
     compiler.machine_record = Path(job.machine_record) if job.machine_record else None
-    with job.state.applied() if job.state is not None else contextlib.nullcontext():
+    with job.state.applied(owns_process=True) if job.state is not None else contextlib.nullcontext():
         inputs = example_inputs(job.graph, job.inputs)
         _, handle = compiler.compile(job.graph, inputs, job.config, job.size, job.key)
     after = counters.snapshot()
@@ -50,29 +52,45 @@ def run(job: PieceJob) -> JobDone:
 
 
 def _own_group() -> None:
-    """Put this worker, and the C++ compilers it starts, in a process group of their own, in the
-    parent's session: the parent stops the group while it serves a call (worker_pause.py), and a
-    group left stopped by a parent that died is continued and hung up by the kernel (an orphaned
-    process group), which ends it: SIGHUP is put back to its default here, since a server started
-    under ``nohup`` passes its ignoring on to every process it starts (a worker that ignored it was
-    continued and went on, in CI). Being in a group of its own, the worker gets no hangup of the
-    terminal's (the foreground group's). Writes to the terminal from a group not in its foreground
-    would stop the worker where the terminal says so (``stty tostop``): ignored, they are written."""
+    """Put this worker, and the C++ compilers it starts, in a process group of their own, so that
+    the parent ends them together (``compile_pool._kill_group``). Being in a group of its own, the
+    worker gets no signal of the terminal's (Ctrl-C goes to the foreground group): it ends with
+    its parent instead (``_end_with_parent``). Writes to the terminal from a group not in its
+    foreground would stop the worker where the terminal says so (``stty tostop``): ignored, they
+    are written."""
     import contextlib
     import signal
 
     if hasattr(os, "setpgid"):
-        with contextlib.suppress(OSError):  # a sandbox that forbids it: stopped alone, its compilers run on
+        with contextlib.suppress(OSError):  # a sandbox that forbids it: ended alone
             os.setpgid(0, 0)
     if hasattr(signal, "SIGTTOU"):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def _end_with_parent(parent: int) -> None:
+    """A thread that ends this worker, and the compilers it started, within a poll of its parent's
+    end (killed, or gone without ending it): nothing of tessera's runs on, or writes to the
+    parent's stderr, once the process that started it is gone."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)  # its own group: the compilers it started, and itself
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tessera-worker-parent", daemon=True).start()
 
 
 def main() -> None:
     """Serve jobs until stdin closes."""
     _own_group()
+    parent = os.environ.get("TESSERA_PARENT_PID")
+    if parent is not None and parent.isdigit():
+        _end_with_parent(int(parent))
     jobs = sys.stdin.buffer
     results = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the imports and the compile print must not corrupt the result stream
@@ -95,4 +113,7 @@ def main() -> None:
             result: JobDone | JobFailed = run(job)
         except Exception as e:  # the parent falls back to compiling in its own process
             result = JobFailed(f"{type(e).__name__}: {e}")
-        write_message(results, pickle.dumps(result))
+        try:
+            write_message(results, pickle.dumps(result))
+        except BrokenPipeError:  # the parent is gone, or ended this worker: nothing to say
+            os._exit(0)

@@ -178,21 +178,23 @@ class CompileConfig:
     serve_while_compiling: bool = True
     # With background_compile: a call no trace covers (the first of a cold process) is answered by
     # the model's own forward while its trace is made in another thread (beside.py), so no call
-    # waits for a compiler. False: that call waits for its trace (docs/serving.md).
-    eager_first: bool = field(default_factory=lambda: not v.env_off("EAGER_FIRST"))
-    # The CPU priority of the background trace, compiles and learning, and of the compiler
-    # processes they start, so a call served meanwhile takes a core at once (priority.py): "low"
-    # (nice 19), "idle" (Linux SCHED_IDLE) or "normal". One thread is lowered on Linux only.
+    # waits for a trace. Off by default: that thread shares the process with the user's code (its
+    # trace undoes the global RNG draws made meanwhile, and imports Dynamo beside the user's
+    # imports, docs/process.md). False: a call no trace covers is traced in the caller's thread.
+    eager_first: bool = field(default_factory=lambda: v.env_on("EAGER_FIRST"))
+    # With background_compile: whether the process's exit waits for the background compiles (the
+    # next process then starts warm: nothing traced, nothing compiled); Ctrl-C ends the wait.
+    # False (the default): the exit stops them at once, keeping in the cache what was compiled;
+    # the next process traces again and compiles what is missing. A script that fills a cache
+    # for others sets it, or calls wait_ready() before it ends.
+    finish_at_exit: bool = field(default_factory=lambda: v.env_on("FINISH_AT_EXIT"))
+    # The CPU priority of the compile worker processes (priority.py): "low" (nice 19), "idle"
+    # (Linux SCHED_IDLE) or "normal". This process's own threads keep the caller's priority.
     background_priority: str = field(
         default_factory=lambda: v.env_value(
             "BACKGROUND_PRIORITY", "low", str, lambda x: v.check_choice("background_priority", x, PRIORITIES)
         )
     )
-    # While a background trace or compile runs, no automatic full garbage collection (each walks
-    # the whole heap, 120-300 ms, while a request waits); the heap is frozen when it ends, keeping
-    # the cyclic garbage it left (5-11 MB on small models; more for larger compiles) for good
-    # (heap.py). The heap is the process's: False on every model keeps CPython's collections.
-    freeze_heap: bool = field(default_factory=lambda: not v.env_off("FREEZE_HEAP"))
     # Worker processes that compile the static sizes (compile_sizes), and in the background the
     # general artifacts, off this process's GIL; started on the first model that needs them and
     # kept for the process; artifacts are the same as compiled here. 0: none. None: one per two
@@ -220,9 +222,9 @@ class CompileConfig:
         v.check_bool("fullgraph", self.fullgraph)
         v.check_bool("background_compile", self.background_compile)
         v.check_bool("eager_first", self.eager_first)
+        v.check_bool("finish_at_exit", self.finish_at_exit)
         v.check_choice("background_priority", self.background_priority, PRIORITIES)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
-        v.check_bool("freeze_heap", self.freeze_heap)
         v.check_workers(self.compile_workers)
         v.check_max_traces(self.max_traces)
         v.check_auto_sizes(self.auto_sizes)

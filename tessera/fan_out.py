@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tessera import compile_pool, counters
+from tessera.background import check_open
 from tessera.compile_jobs import JobDone, JobFailed
 from tessera.compile_pool import CompilePool, Reply
 from tessera.compile_state import COMPILE_LOCK
 from tessera.config import SizeRange, size_label
 from tessera.errors import CompilerError
-from tessera.worker_pause import PAUSE
 
 if TYPE_CHECKING:
     from tessera.artifact_cache import ArtifactCache, CompileOutcome
@@ -103,8 +103,6 @@ class WorkerFanOut:
 
     def take_replies(self, block: bool) -> None:
         """Install what the workers finished (waiting for one reply when ``block``)."""
-        if block:
-            unblock_workers()
         while self.waiting:
             try:
                 reply = self.replies.get(block=block)
@@ -117,6 +115,7 @@ class WorkerFanOut:
             with COMPILE_LOCK:
                 outcome = self._outcome(reply, job, sent.key)
                 if outcome is None:  # the worker failed: compiled here after all
+                    check_open()  # not as the process exits: the workers were ended then
                     outcome = self.artifact_cache.compile(
                         item.graph, job.work.inputs(job.size), job.size, item.index, sent.key
                     )
@@ -156,16 +155,6 @@ class WorkerFanOut:
         return None
 
 
-def unblock_workers() -> None:
-    """A served call about to wait on the workers (a model compiling in its call while others are
-    served) lets them run until no call is served: stopped, they would never answer
-    (worker_pause.py)."""
-    from tessera.pacing import PACER
-
-    if PACER.in_call():
-        PAUSE.unblock()
-
-
 def _no_inputs() -> Sequence[Any]:
     return ()  # an identical piece's artifact is in the cache by then: nothing is compiled
 
@@ -202,6 +191,7 @@ def obtain_all(jobs: Sequence[Job], fan_out: WorkerFanOut | None, here: Callable
     as they come in; returns when every one is in."""
     kept = [job for job in jobs if fan_out is None or not fan_out.send(job)]
     for job in kept:
+        check_open()  # the process exits: what is left is compiled by the next one
         here(job)
         if fan_out is not None:
             fan_out.take_replies(block=False)

@@ -14,12 +14,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
-from tessera.background import start_thread
+from tessera import _compat
+from tessera.background import Closing, start_thread
 from tessera.cache.index import index_key
 from tessera.cache.remote import FleetWaitAbandoned, RemoteTier
 from tessera.cache.sharing import compile_turn
 from tessera.compile_state import COMPILE_LOCK, CompileState
-from tessera.config import CompileConfig, Size, size_label
+from tessera.config import CompileConfig, Size, SizeRange, size_label
 from tessera.fan_out import obtain_all, warn_once, worker_fan_out
 from tessera.split import SplitItem
 from tessera.work import Job, general_first
@@ -124,14 +125,18 @@ class Background:
                 then()
             return
         self.state = BackgroundState.RUNNING
-        start_thread(
-            f"tessera-compile-{self.owner.prefix}",
-            self._run,
-            then,
-            priority=self.owner.config.background_priority,
-            compiles=True,
-            freeze_heap=self.owner.config.freeze_heap,
-        )
+        if self._compiles_here():
+            # Inductor's modules imported here, in the caller's thread, not in the background one:
+            # a thread importing them while the user's code imports them too can hand either a
+            # partially initialized module (ImportError in the user's code).
+            _compat.preload_inductor()
+        finish = self.owner.config.finish_at_exit
+        if (
+            start_thread(f"tessera-compile-{self.owner.prefix}", self._run, then, finish_at_exit=finish)
+            is None
+        ):
+            self.state = BackgroundState.DONE  # the process exits: the next one compiles the rest
+            self.ready.set()
 
     def compile_all(self, progress: CompileProgress | None = None) -> None:
         """Compile every job and swap each artifact in as it is ready: every piece's general
@@ -156,6 +161,15 @@ class Background:
         obtain_all(general_first(self.jobs), worker_fan_out(owner, install, self._worker_failed), here)
         self.jobs = []
 
+    def _compiles_here(self) -> bool:
+        """Whether a job may compile with Inductor in this process: no compile workers, or a job
+        they never take (a range)."""
+        from tessera.inductor_compiler import InductorCompiler
+
+        if not isinstance(self.owner.compiler, InductorCompiler):
+            return False
+        return self.owner.pool is None or any(isinstance(job.size, SizeRange) for job in self.jobs)
+
     def _run(self, then: Callable[[], None] | None) -> None:
         owner = self.owner
         start = time.perf_counter()
@@ -172,8 +186,10 @@ class Background:
                     self.state = BackgroundState.DONE
                     if then is not None:
                         then()
-        except FleetWaitAbandoned:  # exiting while another replica compiles: nothing to do here
+        except (FleetWaitAbandoned, Closing):  # the process exits: the next one compiles the rest
             self.state = BackgroundState.DONE
+            with contextlib.suppress(Exception), COMPILE_LOCK:  # what was obtained, for the next one
+                owner.artifact_cache.flush()
         except Exception as e:  # what serves keeps serving: said once, and in the report
             self.failure = f"{type(e).__name__}: {e}"
             self.state = BackgroundState.FAILED

@@ -188,13 +188,10 @@ class SizeLearning:
             if not self.idle.is_set():
                 return
             self.idle.clear()
-        start_thread(
-            f"tessera-learn-{self.owner.prefix}",
-            self._learn_loop,
-            priority=self.owner.config.background_priority,
-            compiles=True,
-            freeze_heap=self.owner.config.freeze_heap,
-        )
+        if start_thread(f"tessera-learn-{self.owner.prefix}", self._learn_loop) is None:
+            with self._learn_lock:  # the process exits: the next one learns again
+                self._learn_queue.clear()
+                self.idle.set()
 
     def _learn_loop(self) -> None:
         assert self.tally is not None and self.tally.learner is not None

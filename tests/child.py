@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def child_env(cache: Path, **extra: str) -> dict[str, str]:
-    """This process's environment, with ``cache`` as tessera's root and ``extra`` on top."""
-    return {**os.environ, "TESSERA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), **extra}
+    """This process's environment, with ``cache`` as tessera's root and ``extra`` on top. A child's
+    exit waits for its background compiles (``finish_at_exit``), so that the next child finds
+    every artifact; the tests of the exit itself set it otherwise."""
+    base = {"TESSERA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT), "TESSERA_FINISH_AT_EXIT": "1"}
+    return {**os.environ, **base, **extra}
 
 
 def run_module(

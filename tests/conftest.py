@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import subprocess
@@ -88,9 +87,6 @@ def _clean_state(request, tmp_path, monkeypatch):
             shutil.copytree(probe, os.environ["TORCHINDUCTOR_CACHE_DIR"], dirs_exist_ok=True)
             yield
     torch._dynamo.reset()
-    # A background compile froze the heap when it ended (tessera/heap.py): what a test left
-    # behind is collected again, so the suite's memory does not grow test by test.
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,11 @@
 """Eager first: with background compile on, a call no trace covers is answered by the model's own
-forward while its trace is made in another thread (beside.py); background threads give way to the
-calls served (pacing.py)."""
+forward while its trace is made in another thread (beside.py). Not the default: turned on here."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from typing import Any
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -18,8 +13,6 @@ import torch
 import tessera
 from tessera import _compat, counters
 from tessera.api import Stage
-from tessera.arrivals import LEAD, Arrivals
-from tessera.pacing import PACER
 from tests.child import run_json
 
 
@@ -27,8 +20,6 @@ from tests.child import run_json
 def _background_on(monkeypatch):
     monkeypatch.setenv("TESSERA_BACKGROUND_COMPILE", "1")
     monkeypatch.setenv("TESSERA_EAGER_FIRST", "1")
-    # Each test's stream is its own: no prediction learnt from an earlier one's calls.
-    monkeypatch.setattr(PACER, "arrivals", Arrivals())
 
 
 class Counting(torch.nn.Module):
@@ -268,234 +259,6 @@ def test_background_compile_false_traces_on_the_first_call():
     assert compiled.stage is Stage.READY and len(compiled.traces) == 1
 
 
-def _spin(ticks: list[int], stop: threading.Event, hold: threading.Lock | None = None) -> None:
-    def step() -> None:
-        ticks[0] += 1
-
-    with PACER.paced():
-        if hold is not None:
-            with hold:  # Python work under a lock a served call will wait for
-                while ticks[0] < 1_500_000:
-                    step()
-        while not stop.is_set():
-            step()
-
-
-@pytest.mark.timing
-def test_a_paced_thread_waits_while_calls_are_served():
-    with _spinning() as ticks:
-        start = ticks[0]
-        time.sleep(0.2)
-        quiet = ticks[0] - start
-        for _ in range(5):  # the typical call, learnt
-            with PACER.serving():
-                time.sleep(0.005)
-        start = ticks[0]
-        for _ in range(40):  # 0.2 s of 5 ms calls, back to back: the paced thread takes slices only
-            with PACER.serving():
-                time.sleep(0.005)
-        during = ticks[0] - start
-    assert quiet > 0 and during < 0.5 * quiet, (quiet, during)
-    assert PACER.threads == 0
-
-
-@pytest.mark.timing
-def test_a_call_that_waits_for_what_a_paced_thread_holds_does_not_wait_on_its_pacing():
-    ticks, stop, hold = [0], threading.Event(), threading.Lock()
-    thread = threading.Thread(target=_spin, args=(ticks, stop, hold))
-    thread.start()
-    try:
-        while not hold.locked() and ticks[0] == 0:
-            time.sleep(0.001)
-        start = time.perf_counter()
-        with PACER.serving(), hold:  # served, and waiting for the paced thread's lock
-            waited = time.perf_counter() - start
-    finally:
-        stop.set()
-        thread.join()
-    # The paced thread waits three typical calls, then runs as long as it waited: the lock comes at
-    # about half its own speed (3x its time alone, measured), not at the speed of its slices (a
-    # third of a typical call after six: about 1/20). Its own speed is measured here, as the
-    # machine and the suite's heap make it.
-    alone = _paced_steps_alone(1_500_000)
-    assert ticks[0] >= 1_500_000 and waited < 8 * alone + 0.2, (waited, alone)
-
-
-def _paced_steps_alone(steps: int) -> float:
-    """Seconds a paced thread takes for ``steps`` steps while no call is served."""
-    ticks, took = [0], []
-
-    def step() -> None:  # a call, as _spin's: the paced thread's trace function sees each
-        ticks[0] += 1
-
-    def run() -> None:
-        with PACER.paced():
-            start = time.perf_counter()
-            while ticks[0] < steps:
-                step()
-            took.append(time.perf_counter() - start)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    return took[0]
-
-
-def _learn_typical_call(seconds: float = 0.005) -> None:
-    for _ in range(10):
-        with PACER.serving():
-            time.sleep(seconds)
-
-
-@contextmanager
-def _spinning() -> Iterator[list[int]]:
-    """A paced thread counting its steps (the list's one item) until the block ends."""
-    ticks, stop = [0], threading.Event()
-    thread = threading.Thread(target=_spin, args=(ticks, stop))
-    thread.start()
-    try:
-        yield ticks
-    finally:
-        stop.set()
-        thread.join()
-
-
-@pytest.mark.timing
-def test_under_calls_with_gaps_a_paced_thread_runs_in_the_gaps_only():
-    with _spinning() as ticks:
-        _learn_typical_call()
-        during = gaps = 0
-        for _ in range(60):  # 5 ms calls, 5 ms apart: the thread never starves, so takes no slice
-            start = ticks[0]
-            with PACER.serving():
-                time.sleep(0.005)
-            middle = ticks[0]
-            time.sleep(0.005)
-            during, gaps = during + middle - start, gaps + ticks[0] - middle
-    # A step or so per call (the one under way when it starts); a slice would be thousands.
-    assert gaps > 10_000 and during < 0.01 * gaps, (during, gaps)
-
-
-@pytest.mark.timing
-def test_a_paced_thread_waits_a_grace_after_a_call_ends():
-    # What the caller does with the answer goes first (worker_pause.GRACE, 1 ms).
-    from tessera.worker_pause import GRACE
-
-    with _spinning() as ticks:
-        _learn_typical_call()
-        within, after = [], []
-        for _ in range(5):
-            with PACER.serving():
-                time.sleep(0.002)
-            start = ticks[0]
-            time.sleep(GRACE / 4)
-            within.append(ticks[0] - start)
-            time.sleep(GRACE)
-            start = ticks[0]
-            time.sleep(0.005)
-            after.append(ticks[0] - start)
-    assert max(within) < 100 and min(after) > 1000, (within, after)
-
-
-@pytest.mark.timing
-def test_a_paced_thread_stops_before_the_next_call_of_a_steady_stream():
-    # A call of 2 ms every 17 ms: once the stream is learnt, the paced thread waits in the last
-    # LEAD before each call (arrivals.py) and runs in the rest of the gap.
-    with _spinning() as ticks:
-        before, middle = [], []
-        for call in range(30):
-            with PACER.serving():
-                time.sleep(0.002)
-            time.sleep(0.006)  # the middle of the gap, well before the window
-            start = ticks[0]
-            time.sleep(LEAD / 2)
-            mid = ticks[0] - start
-            time.sleep(0.009 - LEAD)
-            start = ticks[0]
-            time.sleep(LEAD / 2)
-            if call >= 15:
-                before.append(ticks[0] - start)
-                middle.append(mid)
-    assert sorted(before)[len(before) // 2] < 20 and min(middle) > 100, (before, middle)
-
-
-@pytest.mark.timing
-def test_a_paced_thread_does_not_run_beside_a_call_of_less_than_three_typical_ones():
-    # A call slow for another reason (the machine) at twice eager's typical time or more is not
-    # made slower still: the paced thread, run beside it, takes the GIL from each of its ops.
-    with _spinning() as ticks:
-        _learn_typical_call()
-        during = []
-        for _ in range(5):
-            start = ticks[0]
-            with PACER.serving():
-                time.sleep(2.6 * PACER.typical)
-            during.append(ticks[0] - start)
-            time.sleep(0.01)
-    # A step or so per call (the one under way when it starts); running beside it, thousands.
-    assert max(during) < 100, during
-
-
-@pytest.mark.timing
-def test_a_call_slow_for_another_reason_is_not_left_to_the_paced_thread_for_all_its_length():
-    with _spinning() as ticks:
-        _learn_typical_call()
-        start = ticks[0]
-        time.sleep(0.3)
-        quiet = ticks[0] - start
-        start = ticks[0]
-        with PACER.serving():  # 60 typical calls long, waiting on nothing the thread holds
-            time.sleep(0.3)
-        during = ticks[0] - start
-    # The thread waits three typical calls, runs as long, and waits again: about half its quiet
-    # speed (it ran the whole call, after its first wait, before).
-    assert quiet > 0 and 0.2 * quiet < during < 0.75 * quiet, (quiet, during)
-
-
-# A loop with no Python call in it, defined in a file of the name pacing knows (the function
-# that tokenizes a source file for Dynamo's line names) and, as a control, under another name.
-_LOOP = """
-def {name}(ticks, stop):
-    while not stop[0]:
-        ticks[0] += 1
-"""
-
-
-def _steps_during_a_call(name: str) -> int:
-    namespace: dict[str, Any] = {}
-    exec(compile(_LOOP.format(name=name), os.path.join("torch", "funcname_cache.py"), "exec"), namespace)
-    loop, ticks, stop = namespace[name], [0], [False]
-
-    def run() -> None:
-        with PACER.paced():
-            loop(ticks, stop)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        while ticks[0] == 0:
-            time.sleep(0.001)
-        _learn_typical_call()
-        during = []
-        for _ in range(3):
-            with PACER.serving():
-                start = ticks[0]
-                time.sleep(2 * PACER.typical)
-                during.append(ticks[0] - start)
-            time.sleep(0.005)
-        return min(during)
-    finally:
-        stop[0] = True
-        thread.join()
-
-
-@pytest.mark.timing
-def test_a_paced_thread_gives_way_inside_the_long_loops_it_knows():
-    # The control: a loop without calls never meets the trace function, and runs beside the call.
-    assert _steps_during_a_call("_unknown_loop") > 10_000
-    assert _steps_during_a_call("_add_file") < 100  # one listed: its lines give way
-
-
 def test_is_compiling_answers_for_the_compiling_thread_only():
     _compat.isolate_compiling_flag()
     if not hasattr(torch.compiler, "_compile_session_context"):
@@ -649,61 +412,6 @@ def test_the_bytes_a_kept_call_would_copy_are_counted_through_containers_and_obj
 
     assert tensor_bytes(((torch.zeros(10, dtype=torch.float16),), {"cache": Cache()})) == 20 + 2 * 128
     assert tensor_bytes(torch.nn.Linear(100, 100)) == 0  # the model's weights are not the call's
-
-
-class Slow(torch.nn.Module):
-    """A call of 30-60 ms on the 2-core CPU, far longer than the pacer's guess of a typical one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("w", torch.randn(1024, 1024) / 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(8):
-            x = x @ self.w
-        return x
-
-
-def test_the_eager_call_that_starts_the_first_trace_tells_the_pacer_a_calls_time(monkeypatch):
-    from tessera import beside
-    from tessera.pacing import Pacer
-
-    pacer = Pacer()
-    monkeypatch.setattr(beside, "PACER", pacer)
-    model, x = Slow(), torch.randn(512, 1024)
-    guess = pacer.typical
-    compiled = tessera.compile(model, backend="eager")
-    torch.testing.assert_close(compiled(x), model(x))
-    assert compiled.wait_ready(60)
-    # The measure is the eager call's, far above the guess: a paced thread now waits as long as
-    # a call before it takes one for a call that waits on it.
-    assert pacer.typical > 3 * guess, (pacer.typical, guess)
-    measured = pacer.typical
-    pacer.measured(1.0)  # measured once: a later first call (another model's) leaves it
-    assert pacer.typical == measured
-
-
-def test_a_counted_call_comes_before_a_measure():
-    from tessera.pacing import Pacer
-
-    pacer = Pacer()
-    with pacer.serving():
-        time.sleep(0.02)
-    counted = pacer.typical
-    pacer.measured(1.0)
-    assert pacer.typical == counted
-    fresh = Pacer()
-    fresh.measured(0.0)  # too short to wait on: the shortest wait a paced thread makes
-    assert fresh.typical > 0
-
-
-def test_the_switch_interval_is_put_back_when_no_thread_is_paced():
-    import sys
-
-    before = sys.getswitchinterval()
-    with PACER.paced():
-        assert sys.getswitchinterval() < before
-    assert sys.getswitchinterval() == before and PACER.threads == 0
 
 
 @pytest.mark.inductor

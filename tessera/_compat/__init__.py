@@ -75,17 +75,14 @@ from tessera._compat.inductor import (
     vec_isa_candidates as vec_isa_candidates,
 )
 from tessera._compat.runtime import (
-    LONG_RUNNING as LONG_RUNNING,
+    before_thread_joins as before_thread_joins,
     forward_hooks as forward_hooks,
     global_backward_hooks as global_backward_hooks,
     global_module_hooks as global_module_hooks,
     has_backward_hooks as has_backward_hooks,
     has_forward_hooks as has_forward_hooks,
     interpreter_exiting as interpreter_exiting,
-    join_before_pools_shut as join_before_pools_shut,
     keep_dynamo_names_at_exit as keep_dynamo_names_at_exit,
-    openmp_runtime as openmp_runtime,
-    swap_deferred_gc_threshold as swap_deferred_gc_threshold,
     trace_artifact as trace_artifact,
 )
 from tessera._compat.shapes import SymbolMaker as SymbolMaker, symbol_facts as symbol_facts

@@ -150,12 +150,43 @@ def standalone_compile(
     )
 
 
+# What an Inductor compile imports on its way, beyond compile_fx's own imports (read off
+# sys.modules before and after a first CPU compile, torch 2.13); a name a version lacks is skipped.
+_COMPILE_IMPORTS = (
+    "torch._inductor.compile_fx",
+    "torch._inductor.standalone_compile",
+    "torch._inductor.bounds",
+    "torch._inductor.choices",
+    "torch._inductor.hooks",
+    "torch._inductor.codegen.cpp",
+    "torch._inductor.codegen.cpp_wrapper_cpu",
+    "torch._inductor.codegen.memory_planning",
+    "torch._inductor.fx_passes.post_grad",
+    "torch._inductor.fx_passes.fuse_attention",
+    "torch._inductor.fx_passes.mkldnn_fusion",
+    "torch._inductor.fx_passes.pad_mm",
+    "torch._inductor.fx_passes.quantization",
+    "torch._inductor.fx_passes.freezing_patterns",
+    "torch._inductor.fx_passes.efficient_conv_bn_eval",
+    "torch.fx.experimental.validator",
+    "torch.utils.cpp_extension",
+)
+
+
 def preload_inductor() -> None:
-    """Import what an Inductor standalone compile imports (about 3 s on a small CPU), so that a
-    compile worker pays it while its parent is still tracing. Checked on torch 2.11, 2.13: imports
-    the private ``torch._inductor`` modules; nothing public to warm instead."""
-    import torch._inductor.compile_fx  # noqa: F401
-    from torch._inductor import standalone_compile  # noqa: F401
+    """Import what an Inductor standalone compile imports (1-3 s on a small CPU): a compile
+    worker pays it while its parent is still tracing, and a parent that compiles in a thread of
+    its own pays it in the caller's thread first, so that the user's code never imports the same
+    modules at the same moment (two threads importing one cycle of modules can hand either a
+    partially initialized module). Checked on torch 2.11, 2.13: imports the private
+    ``torch._inductor`` modules; nothing public to warm instead."""
+    import importlib
+
+    for name in _COMPILE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # a module this version lacks
+            log.debug("not preloaded: %s (%s)", name, e)
 
 
 def load_compiled_artifact(path: str) -> Any:
