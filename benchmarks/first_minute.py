@@ -1,7 +1,7 @@
 """Eager first: process start to first output, and every call of the first minute after a cold
 start, against eager in the same run; JSON out.
 
-Per model, a fresh process for eager and one for tessera with eager first on (otherwise its
+Per model, a fresh process for eager and one for tessera with eager first on (an option; otherwise its
 defaults: Inductor, background compile, an empty cache and empty Inductor caches); with
 ``--trace-first``, one more for tessera's defaults (the first call traces, then answers). Each
 times process start to first output, then serves a stream of calls (one every ``--gap`` seconds,
@@ -30,15 +30,8 @@ that holds it) counts. Printed per model:
   compiled; ``traces_landed_s``: when each trace that serves landed, from process start;
 - ``max_abs_diff``: tessera's outputs for fixed inputs, after the stream, against eager's.
 
-With ``--gil-clock`` (Linux, glibc; ``benchmarks/gil_clock.py``) every process also times its
-serving thread's waits for the GIL, and each slow call gives how long of its lateness was a wait
-for the GIL (the rest: a wait for a core after its sleep) and how long it waited for the GIL while
-it ran; ``slow_call_causes`` counts the slow calls by the largest of the four parts of their time
-over eager's median (``late_for_the_gil``, ``late_for_a_core``, ``gil_in_call``, ``on_its_core``:
-the call itself ran slowly, its core shared or its caches cold).
-
 ``python -m benchmarks.first_minute [--models toy4,toy16,bert,vit] [--seconds 60]
-[--priorities low,normal] [--threads 1] [--gil-clock]``
+[--priorities low,normal] [--threads 1]``
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import as_installed, child_env, gil_clock, header
+from benchmarks import as_installed, child_env, header
 
 START = time.perf_counter()  # as close to process start as Python lets a script be
 MODELS = ("toy4", "toy16", "bert", "vit")
@@ -133,7 +126,7 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         os._exit(0)
     rng = random.Random(0)
     calls: list[dict[str, Any]] = []
-    gil = gil_clock.reader()  # None unless --gil-clock preloaded the clock
+    gil: Any = None  # a reader of the thread's GIL waits (none in this version)
     gil_mark = gil() if gil else 0.0
     stream_start = time.perf_counter()
     traced_at = ready_at = None
@@ -191,8 +184,6 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "learnt": [str(s) for s in getattr(report, "learnt_sizes", ())],
         "compiled_here": sum(a.worker is None for a in compiled),
         "compiled_by_worker": sum(a.worker is not None for a in compiled),
-        # The times the compile workers were stopped for a served call (tessera/worker_pause.py).
-        "worker_stops": _worker_stops(),
         "traces_landed_s": landed,
         "timeline": spans,
         "stream_start": stream_start - START,
@@ -204,11 +195,6 @@ def child(name: str, impl: str, seconds: float, gap: float, threads: int = 0) ->
         "seconds_to_ready": ready_at,
         "outputs": [o.tolist() for o in outputs],
     }
-
-
-def _worker_stops() -> int:
-    pause = sys.modules.get("tessera.worker_pause")  # imported by tessera's own models only
-    return pause.PAUSE.stops if pause is not None else 0
 
 
 def _record_collections() -> list[list[Any]]:
@@ -372,7 +358,6 @@ def _compare(eager: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
         "learnt": ours.get("learnt", []),
         "compiled_here": ours.get("compiled_here"),
         "compiled_by_worker": ours.get("compiled_by_worker"),
-        "worker_stops": ours.get("worker_stops"),
         # Garbage collections of over 5 ms in tessera's process during the stream, by generation.
         "collections_over_5ms": _long_collections(ours),
         "steady_ratio": round(ours["steady_median"] / eager["steady_median"], 3),
@@ -409,11 +394,6 @@ def main(argv: list[str] | None = None) -> int:
         "On the 2-core CPU, 1 removes the machine's own noise: eager's calls on two threads "
         "stall for 10-20 ms eight times a second, on one they do not (benchmarks/eager_noise.py)",
     )
-    parser.add_argument(
-        "--gil-clock",
-        action="store_true",
-        help="time each process's waits for the GIL (benchmarks/gil_clock.py): why a slow call was slow",
-    )
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "IMPL"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.first_output_runs < 0 or (args.seconds <= 0 and not args.child):
@@ -423,8 +403,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(name, impl, args.seconds, args.gap, args.threads)))
         return 0
     as_installed()
-    if args.gil_clock:  # every child from here on, and only children: child_env copies os.environ
-        os.environ.update(gil_clock.preload_env(gil_clock.build()))
     result: dict[str, Any] = {**header("first_minute"), "seconds": args.seconds, "gap": args.gap}
     result["threads"] = args.threads or "default"
     for name in args.models.split(","):

@@ -580,7 +580,7 @@ def test_a_background_thread_finds_the_device_guard_set_by_the_thread_that_start
     _compat.settle_device_guards.cache_clear()
     try:
         seen: list[list[int]] = []
-        start_thread("tessera-test", lambda: seen.append(list(calls)), priority="normal").join()
+        start_thread("tessera-test", lambda: seen.append(list(calls))).join()  # type: ignore[union-attr]
         assert seen == [[threading.get_ident()]]  # set once, by the starter, before the thread ran
     finally:
         _compat.settle_device_guards.cache_clear()
