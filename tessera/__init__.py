@@ -18,6 +18,7 @@ IMPORTED_AT = time.time()
 _EXPORTS = {
     "ArtifactDamaged": "tessera.errors",
     "CacheError": "tessera.errors",
+    "CallArgumentsError": "tessera.errors",
     "CompileConfig": "tessera.config",
     "CompileReport": "tessera.report",
     "CompiledModel": "tessera.api",
@@ -43,6 +44,7 @@ _SUBMODULES = frozenset({"counters", "debug", "dynamo_backend", "hf", "passes"})
 __all__ = [
     "ArtifactDamaged",
     "CacheError",
+    "CallArgumentsError",
     "CompileConfig",
     "CompileReport",
     "CompiledModel",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from tessera.errors import (
         ArtifactDamaged,
         CacheError,
+        CallArgumentsError,
         CompilerError,
         ConfigError,
         FallbackWarning,

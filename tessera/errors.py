@@ -14,6 +14,10 @@ class ConfigError(TesseraError, ValueError):
     """A ``CompileConfig`` field (or ``TESSERA_*`` variable) has a value tessera cannot use."""
 
 
+class CallArgumentsError(TesseraError, TypeError):
+    """A call's arguments do not fit the model's signature: a ``TypeError``, as eager raises."""
+
+
 class UnsupportedModelError(TesseraError):
     """The model cannot be traced as one graph (graph break, data-dependent branch, ...).
 

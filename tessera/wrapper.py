@@ -21,6 +21,7 @@ import torch
 
 from tessera import _compat
 from tessera.errors import (
+    CallArgumentsError,
     ConfigError,
     SizeFixedError,
     TesseraError,
@@ -64,7 +65,7 @@ def bind_arguments(
     try:
         bound = signature.bind(*call_args, **kwargs)
     except TypeError as e:
-        raise ConfigError(f"arguments do not match {func.__qualname__}{signature}: {e}") from e
+        raise CallArgumentsError(f"arguments do not match {func.__qualname__}{signature}: {e}") from e
     values = dict(bound.arguments)
     if bound_to is not None:
         values.pop(next(iter(signature.parameters)))

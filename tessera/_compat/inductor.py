@@ -151,7 +151,8 @@ def standalone_compile(
 
 
 # What an Inductor compile imports on its way, beyond compile_fx's own imports (read off
-# sys.modules before and after a first CPU compile, torch 2.13); a name a version lacks is skipped.
+# sys.modules before and after a first CPU compile); a name a version lacks is skipped.
+# Checked on torch 2.13: private modules of Inductor's; no public way to warm them.
 _COMPILE_IMPORTS = (
     "torch._inductor.compile_fx",
     "torch._inductor.standalone_compile",

@@ -99,7 +99,7 @@ def before_thread_joins(fn: Callable[[], None]) -> None:
     interpreter) ``fn`` goes to ``atexit``, and a background thread then ends its work first.
     Hooks run last-registered first: the pools' modules are imported before ``fn`` is registered,
     so ``fn`` runs while they still take work (a compile it waits for submits to them).
-    Checked on CPython 3.11-3.13 with torch 2.11, 2.13; reads no torch API.
+    Checked on torch 2.11, 2.13 (CPython 3.11-3.13's private hook; no torch API).
     """
     import concurrent.futures.process
     import concurrent.futures.thread  # noqa: F401
