@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tessera import compile_pool, counters
-from tessera.background import check_open
+from tessera.background import CLOSING, check_open
 from tessera.compile_jobs import JobDone, JobFailed
 from tessera.compile_pool import CompilePool, Reply
 from tessera.compile_state import COMPILE_LOCK
@@ -151,7 +151,8 @@ class WorkerFanOut:
                 return self.artifact_cache.record_compiled(
                     fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
                 )
-        self.on_failure(job, done.error)
+        if not CLOSING.is_set():  # a worker ended by the exit is no failure to tell
+            self.on_failure(job, done.error)
         return None
 
 
