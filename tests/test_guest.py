@@ -21,9 +21,13 @@ pytestmark = [pytest.mark.inductor, pytest.mark.slow]
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
 
 
+# tessera's defaults, exit included: none of the suite's settings (tests/conftest.py: up front, no
+# compile workers) nor tests/child.py's finish_at_exit.
+DEFAULTS = {"TESSERA_BACKGROUND_COMPILE": "", "TESSERA_COMPILE_WORKERS": "", "TESSERA_FINISH_AT_EXIT": ""}
+
+
 def _guest(cache: Path, scenario: str, *args: str, **env: str) -> dict[str, Any]:
-    # The defaults, exit included: nothing of tests/child.py's finish_at_exit.
-    return run_json("tests.run_guest", scenario, *args, cache=cache, TESSERA_FINISH_AT_EXIT="0", **env)
+    return run_json("tests.run_guest", scenario, *args, cache=cache, **DEFAULTS, **env)
 
 
 @linux_only
@@ -33,7 +37,7 @@ def test_the_users_sampling_draws_eagers_stream_and_nothing_process_wide_changes
         ours = _guest(cache, "sampling")
         assert ours["ready"] is True, process
         eager = _guest(tmp_path / "eager", "sampling", "--impl", "eager", "--calls", str(ours["calls"]))
-        assert ours["calls"] == eager["calls"] > 20
+        assert ours["calls"] == eager["calls"] >= 20 and (process == "warm" or ours["calls"] > 20)
         assert ours["draws"] == eager["draws"], f"{process}: the user's draws differ from eager's"
         assert ours["rng_state"] == eager["rng_state"], process
         # Nothing process-wide changed: the switch interval, the collector, thread counts, the
@@ -67,7 +71,7 @@ def _timed_script(cache: Path, *args: str, **env: str) -> float:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.run_guest", "once", *args],
         cwd=ROOT,
-        env=child_env(cache, TESSERA_FINISH_AT_EXIT="0", **env),
+        env=child_env(cache, **DEFAULTS, **env),
         capture_output=True,
         text=True,
         timeout=600,
@@ -78,11 +82,6 @@ def _timed_script(cache: Path, *args: str, **env: str) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not met yet: the one-call script took 28 s against eager's 3.7 s (a 10 s first call, "
-    "then about 4 s of exit), 2026-12-02; issue 75's acceptance 3",
-)
 def test_a_one_call_script_exits_within_two_seconds_of_eagers(tmp_path):
     eager = _timed_script(tmp_path / "eager", "--impl", "eager")
     ours = _timed_script(tmp_path / "cache")
@@ -108,21 +107,25 @@ def _tessera_processes(parent: int) -> list[tuple[int, str]]:
 
 
 @linux_only
-@pytest.mark.xfail(
-    strict=False,
-    reason="not settled yet: under the test's gapless stream the compile worker was not seen "
-    "within 120 s (2026-12-02); issue 75's acceptance 3",
-)
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_an_interrupted_or_killed_process_ends_at_once_and_leaves_no_worker_behind(tmp_path, sig):
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.run_guest", "once", "--calls", "1"],
         cwd=ROOT,
-        env=child_env(tmp_path / "cache", TESSERA_FINISH_AT_EXIT="0"),
+        env=child_env(tmp_path / "cache", **DEFAULTS),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    try:
+        _signalled(proc, sig)
+    finally:
+        if proc.poll() is None:  # a failed assertion leaves no serving loop behind
+            proc.kill()
+            proc.wait()
+
+
+def _signalled(proc: subprocess.Popen[str], sig: str) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the first call answered: its compiles run in the background
     assert json.loads(line) == {"answered": True}, line
