@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             "eager_s": _spread([r["first_output_s"] for r in first["eager"]]),
             "tessera_s": _spread([r["first_output_s"] for r in first["tessera"]]),
             "ratio": _spread(
-                [t["first_output_s"] / e["first_output_s"] for t, e in zip(first["tessera"], first["eager"], strict=False)]
+                [
+                    t["first_output_s"] / e["first_output_s"]
+                    for t, e in zip(first["tessera"], first["eager"], strict=False)
+                ]
             ),
             "script_eager_s": _spread([r["process_s"] for r in first["eager"]]),
             "script_tessera_s": _spread([r["process_s"] for r in first["tessera"]]),
