@@ -42,14 +42,12 @@ demo: $(STAMP)
 	$(VENV)/bin/tessera demo
 
 # The Redis tests start a real redis-server (on a loopback port): install it when missing.
-# The tests that measure their own threads' rates run first, alone; the rest on one pytest worker
-# per core (most tests wait on child processes, so one process left a core idle: CI has a time
-# bound, 45 minutes on 2 cores), the 25 slowest listed at the end.
+# One pytest worker per core (most tests wait on child processes, so one process left a core idle:
+# CI has a time bound, 45 minutes on 2 cores), the 25 slowest listed at the end.
 test: $(STAMP)
 	$(REDIS)
 	$(CCACHE)
-	$(PY) -m pytest -q -m "not extended and timing"
-	$(PY) -m pytest -q -m "not extended and not timing" -n auto --maxprocesses 4 --dist worksteal --durations=25
+	$(PY) -m pytest -q -m "not extended" -n auto --maxprocesses 4 --dist worksteal --durations=25
 
 # More model families for behaviours `make test` covers (on demand: CI's time is bounded).
 test-extended: $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -16,7 +17,10 @@ import torch
 
 from tessera import _compat, call_check
 from tessera.cache.remote import RemoteTier
+from tessera.errors import first_line
 from tessera.split_model import SplitModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,15 @@ class TraceContext:
             if remote is not None and defer_fetch:
                 deferred = not pointer_path(root, print_).exists()
             elif remote is not None:
-                fetch_pointer(remote, root, print_)
+                try:
+                    fetch_pointer(remote, root, print_)
+                except Exception as e:  # the fleet is a cache: never a reason not to serve
+                    log.warning(
+                        "%s: the fleet's traces were not fetched (%s); tracing the call",
+                        prefix,
+                        first_line(e),
+                        exc_info=log.isEnabledFor(logging.DEBUG),
+                    )
         return cls(compiler, root, prefix, print_, remote, deferred)
 
     def fetch_fleet(self) -> bool:

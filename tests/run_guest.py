@@ -221,6 +221,11 @@ def bad_calls(impl: str, calls: int) -> dict[str, Any]:
 def once(impl: str, calls: int) -> dict[str, Any]:
     """One call and an exit (the exit's time is the caller's to measure); prints as soon as the
     call has answered, so that a signal can be sent then."""
+    import signal
+
+    # As a terminal's Ctrl-C finds a script: a parent that ignores SIGINT (pytest-xdist's workers)
+    # passes that on, and Python then raises no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _, compiled = _model(impl)
     with torch.no_grad():
         compiled(*toy_llama.example_inputs(23))

@@ -260,7 +260,7 @@ def test_inductor_learns_batch_x_length_shapes_cold_and_loads_them_warm_on_the_d
     defaults = {"TESSERA_BACKGROUND_COMPILE": "1", "TESSERA_COMPILE_WORKERS": ""}
     cold = run_json("tests.run_auto_sizes", "inductor", "shapes", str(html), cache=tmp_path, **defaults)
     assert sorted(cold["learnt"]) == [[2, 16], [4, 8]], cold["learnt"]  # batch x length, in that order
-    assert cold["counters"]["inductor_compiles"] > 0 and cold["counters"]["served_eagerly"] >= 1
+    assert cold["counters"]["inductor_compiles"] > 0 and cold["counters"]["graphs_traced"] >= 1
     assert sum(label.startswith("shape ") for label in cold["served_by"]) == 2, cold["served_by"]
     # Compiled by the compile worker, off the GIL of the process serving meanwhile.
     assert {"shape 2x16", "shape 4x8"} <= set(cold["by_worker"]), cold["by_worker"]

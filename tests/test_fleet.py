@@ -167,9 +167,14 @@ class HeldFetch:
         monkeypatch.setattr(fleet, "fetch_pointer", held)
 
 
-def _defaults_on(root: Path, remote: str, model) -> tessera.CompiledModel:
+def _defaults_on(root: Path, remote: str, model, eager_first: bool = False) -> tessera.CompiledModel:
     return tessera.compile(
-        model, backend="eager", cache_dir=str(root), cache_remote=remote, background_compile=True
+        model,
+        backend="eager",
+        cache_dir=str(root),
+        cache_remote=remote,
+        background_compile=True,
+        eager_first=eager_first,
     )
 
 
@@ -181,7 +186,7 @@ def _check_calls(compiled, model, sizes=(3, 8, 5)) -> None:
 
 @pytest.mark.parametrize("published", [True, False], ids=["fleet has it", "fleet is empty"])
 def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_server, monkeypatch, published):
-    """With eager first (the defaults), a replica's first output waits for no request to the
+    """With eager first (an option), a replica's first output waits for no request to the
     store: eager serves it while the trace thread fetches the fleet's pointer, then the fleet's
     trace serves (nothing traced) or, with none, the call is traced and compiled as on a cold start."""
     if published:
@@ -189,7 +194,7 @@ def test_eager_first_asks_the_store_beside_the_first_output(tmp_path, redis_serv
     tessera.counters.reset()
     fetch = HeldFetch(monkeypatch)
     model = toy_llama.build(num_layers=1)
-    compiled = _defaults_on(tmp_path / "second", redis_server.url, model)
+    compiled = _defaults_on(tmp_path / "second", redis_server.url, model, eager_first=True)
     ids, pos = toy_llama.example_inputs(7)
     torch.testing.assert_close(compiled(ids, pos), model(ids, pos))  # the fetch is held meanwhile
     assert fetch.asked.wait(30) and fetch.threads == [f"tessera-trace-{compiled.name}"]
@@ -222,8 +227,9 @@ def test_a_first_call_the_fleets_traces_do_not_cover_is_traced_with_what_it_chan
     assert sorted(t.source for t in compiled.report.traces) == ["loaded", "traced"]
 
 
+@pytest.mark.parametrize("eager_first", [False, True], ids=["traced first", "eager first"])
 def test_a_fleet_fetch_that_fails_leaves_the_model_traced_as_on_a_cold_start(
-    tmp_path, redis_server, monkeypatch, caplog
+    tmp_path, redis_server, monkeypatch, caplog, eager_first
 ):
     from tessera.cache import fleet
 
@@ -232,7 +238,7 @@ def test_a_fleet_fetch_that_fails_leaves_the_model_traced_as_on_a_cold_start(
 
     monkeypatch.setattr(fleet, "fetch_pointer", broken)
     model = toy_llama.build(num_layers=1)
-    compiled = _defaults_on(tmp_path / "root", redis_server.url, model)
+    compiled = _defaults_on(tmp_path / "root", redis_server.url, model, eager_first)
     with caplog.at_level("WARNING", logger="tessera"):
         _check_calls(compiled, model)
         assert compiled.wait_ready(120)
