@@ -88,7 +88,7 @@ def sampling(impl: str, calls: int) -> dict[str, Any]:
     stopped = 0
     n = 0
     extra = 20
-    with torch.no_grad():
+    with torch.enable_grad():  # PyTorch's default state: the model is frozen
         while (calls and n < calls) or (not calls and extra > 0):
             size = SIZES[n % len(SIZES)]
             logits = compiled(*toy_llama.example_inputs(size))
