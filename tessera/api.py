@@ -74,6 +74,26 @@ def compile(
     return compiled
 
 
+def _returning_compiled(method: Callable[..., Any], model: Any, compiled: CompiledModel) -> Callable[..., Any]:
+    """The model's own method, returning the compiled model where it returns the model: the
+    chained ``tessera.compile(m).eval()``, ``.to(torch.float64)``, ``.half()`` keep serving
+    through tessera (whose call check sees what they changed, as for any call)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
+        return compiled if result is model else result
+
+    return call
+
+
+def _compiled_again(
+    model: Callable[..., Any], config: CompileConfig, dynamic_dims: DynamicDims | None, prefix: str | None
+) -> CompiledModel:
+    """What an unpickled compiled model becomes: the model compiled again with its settings."""
+    return CompiledModel(model, config, dynamic_dims, prefix)
+
+
 class CompiledModel(ModelView):
     """Same call signature and results as the model; ``pieces`` and ``cache_dir`` tell the rest."""
 
@@ -129,7 +149,29 @@ class CompiledModel(ModelView):
         model = self.__dict__.get("model")
         if model is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(model, name)
+        value = getattr(model, name)
+        if inspect.ismethod(value) and value.__self__ is model:
+            return _returning_compiled(value, model, self)
+        return value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModel:
+        """A compiled copy of a copy of the model: traced or loaded again at its first call (the
+        cache makes that a warm start), with the same settings. The traces, threads and locks of
+        this one are not copied."""
+        return self._again(copy.deepcopy(self.model, memo))
+
+    def __copy__(self) -> CompiledModel:
+        """Another compiled model over the same model (its own traces, the same settings)."""
+        return self._again(self.model)
+
+    def __reduce__(self) -> Any:
+        """Pickled as the model and the settings; compiled again where it is loaded."""
+        return (_compiled_again, (self.model, self.compile_config, self._dynamic_dims, self.prefix))
+
+    def _again(self, model: Callable[..., Any]) -> CompiledModel:
+        compiled = CompiledModel(model, self.compile_config, self._dynamic_dims, self.prefix, self._on_compiled)
+        compiled.use_preset(self._soft_dims, self._mark_nested)
+        return compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():

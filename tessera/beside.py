@@ -49,12 +49,13 @@ MISSED_BYTES = 64 * 2**20  # and the tensor bytes their copies may hold, in all
 def eager_first(config: Any) -> bool:
     """Whether a call no trace covers is served eagerly and traced beside it: asked for
     (``eager_first``), with background compile on, for the traced modes, unless the user asked for
-    the refusal of graph breaks at the first call (``fullgraph``) or set torch.compile's stance
-    (``torch.compiler.set_stance``)."""
+    the refusal of graph breaks at the first call (``fullgraph``) or of calls past a trace limit
+    (``max_traces`` given: which calls are refused must not depend on when a trace lands), or set
+    torch.compile's stance (``torch.compiler.set_stance``)."""
     return bool(
         config.eager_first
         and config.background_compile
-        and not config.fullgraph
+        and not config.strict_traces
         and config.mode in ("trace_once", "piecewise")
         and _compat.default_stance()
     )

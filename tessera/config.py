@@ -83,6 +83,7 @@ def counted_of(value: Any) -> Counted | None:
 # Appended to a general entry that is the piece as traced (eager kernels), serving until its
 # compiled artifact is ready (CompileConfig.serve_while_compiling).
 TRACED_LABEL = "(as traced)"
+DEFAULT_MAX_TRACES = 16  # traces a model holds when max_traces is not given (then not strict)
 
 
 def size_label(size: Size) -> str:
@@ -142,13 +143,16 @@ class CompileConfig:
     passes: Sequence[Any] = ()
     check_inputs: bool = True  # compare every call with what the trace assumed (see call_check.py)
     # Traces one model may hold (traces.py): a call no trace covers is traced again, as Dynamo
-    # recompiles, up to this many; past it the call is refused naming every trace and why it was
-    # made. 1: trace once and refuse any call unlike the first (never a re-trace). 16, not
-    # Dynamo's recompile limit of 8: traces converge (a size that changed is dynamic from then on),
-    # so they count the kinds of call, and a generate() loop has more than 8 (prefill and decode,
-    # with and without a mask, sizes of 1 traced apart); past its limit stock torch.compile runs
-    # eager without a word, where tessera refuses.
-    max_traces: int = field(default_factory=lambda: v.env_value("MAX_TRACES", 16, int, v.check_max_traces))
+    # recompiles, up to DEFAULT_MAX_TRACES (16) of them; past that the call is served eagerly,
+    # with one warning naming what changed (as stock torch.compile runs eager past its recompile
+    # limit). Given explicitly (here or TESSERA_MAX_TRACES), it is strict: past it a call is
+    # refused naming every trace and why it was made. 1: trace once and refuse any call unlike
+    # the first. 16, not Dynamo's 8: traces converge (a size that changed is dynamic from then
+    # on), so they count the kinds of call, and a generate() loop has more than 8 (prefill and
+    # decode, with and without a mask, sizes of 1 traced apart).
+    max_traces: int | None = field(
+        default_factory=lambda: v.env_value("MAX_TRACES", None, int, v.check_max_traces)
+    )
     # Sizes learnt from traffic (learn.py): a size that holds auto_sizes_share of recent calls is
     # compiled statically in the background and swapped in, at most auto_sizes of them per trace
     # (the coldest retired for a hotter one), and the next process loads them at once. 0: none;
@@ -226,7 +230,8 @@ class CompileConfig:
         v.check_choice("background_priority", self.background_priority, PRIORITIES)
         v.check_bool("serve_while_compiling", self.serve_while_compiling)
         v.check_workers(self.compile_workers)
-        v.check_max_traces(self.max_traces)
+        if self.max_traces is not None:
+            v.check_max_traces(self.max_traces)
         v.check_auto_sizes(self.auto_sizes)
         v.check_share(self.auto_sizes_share)
         listed, auto = v.split_auto(self.compile_sizes)
@@ -270,6 +275,17 @@ class CompileConfig:
                 "attention included, like cudagraph_mode='full'; use graph_partition=False for "
                 "piecewise CUDA graphs, or cudagraph_mode='full' or 'none'"
             )
+
+    @property
+    def trace_limit(self) -> int:
+        """The traces one model may hold (``max_traces``, or DEFAULT_MAX_TRACES)."""
+        return DEFAULT_MAX_TRACES if self.max_traces is None else self.max_traces
+
+    @property
+    def strict_traces(self) -> bool:
+        """Whether a call past the trace limit is refused (``max_traces`` given, or ``fullgraph``)
+        rather than served eagerly."""
+        return self.max_traces is not None or self.fullgraph
 
     @property
     def sizes(self) -> tuple[int, ...]:

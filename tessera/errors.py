@@ -74,6 +74,12 @@ class FallbackWarning(TesseraWarning):
     likely a bug worth reporting. Warned once per error per process; every fallback is counted."""
 
 
+class TraceLimitWarning(TesseraWarning):
+    """A model met more kinds of call than it may hold traces for (``max_traces`` not given): the
+    calls no trace covers are served eagerly from then on, right but slower. Warned once per model,
+    naming what changed; usually a Python value the forward changes on each call (a counter)."""
+
+
 class UntestedTorchWarning(TesseraWarning):
     """The installed torch is outside the range tessera is tested on (warned once per process)."""
 

@@ -141,7 +141,7 @@ class SavedTraces:
         for held in reversed(self.held):  # the newest first: the widest
             if self._serve_existing(args, kwargs, among=[held], serve=False) is None:
                 continue
-            if len(self.entries) >= self.config.max_traces:
+            if len(self.entries) >= self.config.trace_limit:
                 return None  # the caller refuses it, naming the limit
             self.held.remove(held)
             held.split_model.background.bring_forward()  # held back here earlier: it serves again

@@ -6,8 +6,9 @@ passes, trying the one that served last first, so the steady state is one genera
 call that no entry covers is traced once more, as Dynamo recompiles: the dims and argument ints
 that changed are traced as symbols this time (Dynamo's automatic dynamic shapes), the entry is
 compiled, cached, saved for the next process (warm.py) and added, and why it was made (the
-assumption the nearest entry did not hold) is logged once and listed in the report. Past
-``CompileConfig.max_traces`` a call is refused, naming every entry and why it was made.
+assumption the nearest entry did not hold) is logged once and listed in the report. Past the
+trace limit a call is served eagerly with one warning, or, where ``CompileConfig.max_traces`` was
+given, refused, naming every entry and why it was made.
 
 Sizes 0 and 1 need no entry of their own where the trace allows them: the trace is made
 size-obliviously (the model's Python decisions on a size are guards; torch's own assume a size
@@ -25,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +38,7 @@ from tessera.beside import Beside
 from tessera.cache.artifact import ArtifactFate, ArtifactState
 from tessera.compile_state import COMPILE_LOCK
 from tessera.config import CompileConfig
-from tessera.errors import SizeFixedError, TesseraError, UnsupportedModelError, first_line
+from tessera.errors import SizeFixedError, TesseraError, TraceLimitWarning, UnsupportedModelError, first_line
 from tessera.grad import as_inference, grad_tensors
 from tessera.receiver import GraphReceiver
 from tessera.report import TraceSpan
@@ -120,6 +122,7 @@ class Traces(SavedTraces):
         self.trace_seconds = 0.0
         self.warm_refused: str | None = None  # why a saved trace did not serve the first call
         self._said: set[str] = set()
+        self._past_limit_said = False  # the one warning of calls served eagerly past the limit
         self._by_graph: dict[str, SplitModel] = {}  # the split_models traced here, by graph
         self._no_oblivious = False  # torch could not trace this model size-obliviously
         # Calls in another syntax than their entry's trace, by shape (call_shapes.py).
@@ -240,7 +243,7 @@ class Traces(SavedTraces):
         args, kwargs = call
         with self._lock:
             covered = (self._serve_existing(args, kwargs, among=a, serve=False) for a in (None, self.held))
-            if any(covered) or len(self.entries) >= self.config.max_traces:
+            if any(covered) or len(self.entries) >= self.config.trace_limit:
                 return None
             nearest = self._nearest(args, kwargs)
             return nearest.words, nearest.mismatches
@@ -356,7 +359,7 @@ class Traces(SavedTraces):
             self._fresh = None
         if len(self.entries) > 1:
             self._say(
-                f"{model.name}: trace {entry.number} of at most {self.config.max_traces}, because {reason}"
+                f"{model.name}: trace {entry.number} of at most {self.config.trace_limit}, because {reason}"
             )
         shared = next((e for e in self.entries[:-1] if e.split_model is split_model), None)
         if shared is not None:  # the graph of an earlier trace: its pieces serve this one too
@@ -413,8 +416,9 @@ class Traces(SavedTraces):
             if served is not None:
                 return served[0]
             nearest, reason, mismatches = self._nearest(args, kwargs)
-            if len(self.entries) >= self.config.max_traces:
-                limit = self.config.max_traces
+            past_limit = len(self.entries) >= self.config.trace_limit
+            if past_limit and self.config.strict_traces:
+                limit = self.config.trace_limit
                 raise refusal(self.model.name, self.entries, limit, nearest, reason, mismatches)
             if nearest is not None and layout_of_written_input(nearest, mismatches):
                 # A model that writes to its input, called with it in another layout: a copy
@@ -424,9 +428,29 @@ class Traces(SavedTraces):
                     f"{self.model.name}: {reason}; the model writes to this argument, so tessera "
                     "cannot copy it into the traced layout: pass it in that layout (.contiguous())"
                 )
-            if self.beside is None:
+            if self.beside is None and not past_limit:
                 return self.trace(args, kwargs, reason, mismatches)
-        return self._trace_new(args, kwargs, reason, mismatches)  # eager runs outside the lock
+        if past_limit:  # eager runs outside the lock
+            return self._past_limit(args, kwargs, reason)
+        return self._trace_new(args, kwargs, reason, mismatches)
+
+    def _past_limit(self, args: tuple[Any, ...], kwargs: dict[str, Any], reason: str) -> Any:
+        """A call no trace covers once the model holds its traces (``max_traces`` not given):
+        served eagerly, as stock torch.compile serves past its recompile limit, with one warning
+        per model naming what changed."""
+        if not self._past_limit_said:
+            self._past_limit_said = True
+            warnings.warn(
+                f"{self.model.name}: no trace covers this call ({reason}), and the model holds "
+                f"{len(self.entries)} traces, the most it keeps; calls no trace covers are served "
+                "eagerly from now on. A value the forward changes on every call (a counter, a "
+                "list it appends to) needs a trace per call: keep it out of forward, or give "
+                "max_traces to have such calls refused instead",
+                TraceLimitWarning,
+                stacklevel=2,
+            )
+        counters.bump("served_eagerly")
+        return self.model.target(*args, **kwargs)
 
     def route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call from the top: the last entry's check, then the rest."""

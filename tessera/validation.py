@@ -204,7 +204,7 @@ def check_max_traces(value: Any) -> None:
     if not is_int(value) or value < 1:
         raise ConfigError(
             f"max_traces={value!r} must be a positive integer (1: trace once, refuse calls unlike "
-            "the first; 8 by default, Dynamo's recompile limit)"
+            "the first; not given: up to 16, then calls no trace covers are served eagerly)"
         )
 
 

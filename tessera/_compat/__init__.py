@@ -52,6 +52,7 @@ from tessera._compat.guards import (
     guard_globals as guard_globals,
     guard_profile_skipped as guard_profile_skipped,
     input_dims as input_dims,
+    own_trace as own_trace,
     local_source_name as local_source_name,
     placeholder_dims as placeholder_dims,
     placeholder_values as placeholder_values,
@@ -85,7 +86,11 @@ from tessera._compat.runtime import (
     keep_dynamo_names_at_exit as keep_dynamo_names_at_exit,
     trace_artifact as trace_artifact,
 )
-from tessera._compat.shapes import SymbolMaker as SymbolMaker, symbol_facts as symbol_facts
+from tessera._compat.shapes import (
+    SymbolMaker as SymbolMaker,
+    symbol_facts as symbol_facts,
+    symbol_knowledge as symbol_knowledge,
+)
 from tessera._compat.tensors import (
     OpOverload as OpOverload,
     OpOverloadPacket as OpOverloadPacket,
@@ -226,6 +231,7 @@ def single_trace_settings(
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(guard_profile_skipped())  # the GIL held 25 ms for a metric
+        stack.enter_context(own_trace())  # a script's globals read as they are (cProfile)
         stack.enter_context(dynamo().config.patch(recompile_limit=64, accumulated_recompile_limit=4096))
         # torch 2.11 takes nn.TransformerEncoderLayer's fused eval fast path while Dynamo traces,
         # and that kernel has no fake implementation (2.13 skips it when compiling). The traced

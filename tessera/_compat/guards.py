@@ -264,6 +264,67 @@ def _skip_guard_profile() -> None:
     setattr(module, "profile_guard_manager", profile_guard_manager)  # noqa: B010  (a name only some torch has)
 
 
+_OWN_TRACE = threading.local()  # per thread: inside one of tessera's traces (own_trace)
+
+
+@contextlib.contextmanager
+def own_trace() -> Iterator[None]:
+    """Dynamo as tessera's traces need it, in this thread only: a function whose globals are not
+    its module's dict is read through those globals (``inlined_globals_by_identity``)."""
+    _inlined_globals_by_identity()
+    before = getattr(_OWN_TRACE, "on", False)
+    _OWN_TRACE.on = True
+    try:
+        yield
+    finally:
+        _OWN_TRACE.on = before
+
+
+def _not_its_module(namespace: dict[str, Any]) -> bool:
+    """Whether ``namespace`` (a function's globals) is not the dict of the module its
+    ``__name__`` imports: a script run by ``python -m cProfile`` or ``python -m trace`` has
+    globals named ``__main__`` while ``sys.modules['__main__']`` is the profiler's module."""
+    name = namespace.get("__name__")
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    return module is None or getattr(module, "__dict__", None) is not namespace
+
+
+@functools.cache
+def _inlined_globals_by_identity() -> None:
+    """A stand-in for Dynamo's ``get_globals_source_and_value`` of an inlined function: where the
+    function's globals are not its module's dict, they are read as the namespace they are (the
+    branch Dynamo takes for a namedtuple's made-up scope) instead of through the module of that
+    name, which lacks them. Everywhere else, and in every thread outside ``own_trace``, the
+    original.
+
+    Reason: tessera traces its own entry frame and inlines the model's forward, so the forward's
+    globals are always an inlined function's; under ``python -m cProfile script.py`` Dynamo
+    imports ``__main__`` (the profiler) for them, and the trace fails on
+    ``G['__import___main__'].torch``. Stock ``torch.compile`` traces the forward as its root
+    frame and never meets this. Checked on torch 2.13, 2.15: the private
+    ``InliningInstructionTranslator.get_globals_source_and_value`` and
+    ``OutputGraph.install_global_by_id``; another torch without them: nothing done."""
+    try:
+        from torch._dynamo.source import DictGetItemSource, GlobalSource
+        from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+        from torch._dynamo.variables.builder import VariableBuilder
+    except ImportError:
+        return
+    original = getattr(InliningInstructionTranslator, "get_globals_source_and_value", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def get_globals_source_and_value(self: Any, name: str) -> Any:
+        namespace = self.f_globals
+        if not getattr(_OWN_TRACE, "on", False) or not _not_its_module(namespace):
+            return original(self, name)
+        scope = GlobalSource(self.output.install_global_by_id("___unnamed_scope", namespace))
+        return namespace, VariableBuilder(self, scope)(namespace), DictGetItemSource(scope, name)
+
+    InliningInstructionTranslator.get_globals_source_and_value = get_globals_source_and_value
+
+
 def guard_build_abandoned() -> None:
     """Called by a guard filter about to raise (tessera ends a trace there, before its frame runs):
     Dynamo's guard builder lets go of the traced frame as its ``__init__`` would have at its end.

@@ -41,6 +41,47 @@ def symbol_facts(symint: torch.SymInt) -> dict[Any, tuple[int, int | None, int |
     return facts
 
 
+def symbol_knowledge(values: Any) -> list[str]:
+    """What the shape env of ``values`` (fake tensors and SymInts, as a graph's inputs) knows of
+    their symbols beyond their names: each symbol's range, and every guard over those symbols
+    alone, as sorted text. Code compiled for the same graph under other ranges or guards may
+    differ (Inductor simplifies with them: a slice ``x[-15:]`` of a size known to be at most 14
+    is all of ``x``), so two graphs are one only where this is equal too.
+
+    Checked on torch 2.13, 2.15: private ``ShapeEnv.var_to_range`` and ``ShapeEnv.guards`` (each
+    with ``.expr``), reached through ``SymNode.shape_env`` / ``FakeTensor.fake_mode``; no public
+    view of a trace's symbol ranges and guards."""
+    shape_env = None
+    symbols: set[Any] = set()
+
+    def take(value: Any) -> None:
+        nonlocal shape_env
+        if isinstance(value, torch.SymInt):
+            node = value.node
+            shape_env = shape_env or getattr(node, "shape_env", None)
+            symbols.update(getattr(node.expr, "free_symbols", ()))
+
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            for size in (*value.shape, *value.stride(), value.storage_offset()):
+                take(size)
+        else:
+            take(value)
+    if shape_env is None or not symbols:
+        return []
+    facts = []
+    for symbol in sorted(symbols, key=str):
+        found = shape_env.var_to_range.get(symbol)
+        if found is not None:
+            facts.append(f"{symbol} in [{_bound(found.lower)}, {_bound(found.upper)}]")
+    for guard in getattr(shape_env, "guards", ()):
+        expr = getattr(guard, "expr", None)
+        free = getattr(expr, "free_symbols", None)
+        if free and free <= symbols:
+            facts.append(f"guard {expr}")
+    return sorted(set(facts))
+
+
 def _bound(value: Any) -> int | None:
     """A range's bound as an int; None for int_oo and sympy's infinities (no bound).
 

@@ -46,7 +46,8 @@ CODE_ENV_VARS = (
 # fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
 # state
 FINGERPRINT_FORMAT = 9
-PIECE_CONTENT_FORMAT = 3
+# 4: the symbols' ranges and guards (a piece compiled under other ranges is other code)
+PIECE_CONTENT_FORMAT = 4
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -149,13 +150,17 @@ def machine_key() -> str:
 def graph_signature(gm: torch.fx.GraphModule) -> str:
     """sha256 of the traced graph's code and its inputs' shapes, dtypes and devices."""
     parts = [_compat.graph_source(gm)]  # not gm.code: that compiles the whole graph, holding the GIL
+    values = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             value = node.meta.get("example_value")
+            values.append(value)
             if isinstance(value, torch.Tensor):
                 parts.append(f"{node.name}:{tuple(map(str, value.shape))}:{value.dtype}:{value.device}")
             else:
                 parts.append(f"{node.name}:{type(value).__name__}")
+    # The same code traced under other symbol ranges or guards compiles to other code.
+    parts.extend(_compat.symbol_knowledge(values))
     return sha256_bytes("\n".join(parts).encode())
 
 
@@ -179,7 +184,8 @@ def collect_factors(
         "sources": {Path(s.path).name + "@" + s.sha256[:12]: s.sha256 for s in sources},
         # How piece_content describes a piece: an entry made by another recipe may hold a shape's
         # artifact shared between pieces the current one tells apart (2: the "order:" line; 3: a
-        # shape's values in the order Dynamo made the symbols, not by name).
+        # shape's values in the order Dynamo made the symbols, not by name; 4: the symbols'
+        # ranges and guards).
         "piece_content": PIECE_CONTENT_FORMAT,
     }
 
@@ -224,6 +230,8 @@ def piece_content(graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) ->
         order = sorted(symbols, key=lambda name: (ranks.get(name, len(ranks)), name))
         lines.append("order:" + ",".join(symbols[name] for name in order))
     lines.extend(_canonical_nodes(graph, canon))
+    # What the trace knew of the symbols (ranges, guards): Inductor simplifies with it.
+    lines.extend(canon(fact) for fact in _compat.symbol_knowledge(example_inputs))
     return sha256_bytes("\n".join(lines).encode())
 
 
