@@ -74,7 +74,9 @@ def compile(
     return compiled
 
 
-def _returning_compiled(method: Callable[..., Any], model: Any, compiled: CompiledModel) -> Callable[..., Any]:
+def _returning_compiled(
+    method: Callable[..., Any], model: Any, compiled: CompiledModel
+) -> Callable[..., Any]:
     """The model's own method, returning the compiled model where it returns the model: the
     chained ``tessera.compile(m).eval()``, ``.to(torch.float64)``, ``.half()`` keep serving
     through tessera (whose call check sees what they changed, as for any call)."""
@@ -169,7 +171,8 @@ class CompiledModel(ModelView):
         return (_compiled_again, (self.model, self.compile_config, self._dynamic_dims, self.prefix))
 
     def _again(self, model: Callable[..., Any]) -> CompiledModel:
-        compiled = CompiledModel(model, self.compile_config, self._dynamic_dims, self.prefix, self._on_compiled)
+        config, dims, on_compiled = self.compile_config, self._dynamic_dims, self._on_compiled
+        compiled = CompiledModel(model, config, dims, self.prefix, on_compiled)
         compiled.use_preset(self._soft_dims, self._mark_nested)
         return compiled
 

@@ -90,13 +90,22 @@ class JobDone:
 
 @dataclass(frozen=True)
 class JobFailed:
-    """A compile that raised in the worker; the parent compiles the piece itself."""
+    """A compile that raised in the worker; the parent compiles the piece itself. ``unloadable``:
+    the job named what the worker's process does not have (an op the user's code defines, such as
+    a ``torch.library.custom_op`` in their script): expected, so the parent compiles it quietly."""
 
     error: str
+    unloadable: bool = False
 
 
 def read_message(stream: IO[bytes]) -> Any | None:
     """One length-prefixed pickle from ``stream``; None at its end (the other side closed it)."""
+    payload = read_payload(stream)
+    return None if payload is None else pickle.loads(payload)  # our parent or worker, on a private pipe
+
+
+def read_payload(stream: IO[bytes]) -> bytes | None:
+    """One length-prefixed message's bytes from ``stream``; None at its end."""
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         return None
@@ -104,7 +113,7 @@ def read_message(stream: IO[bytes]) -> Any | None:
     payload = stream.read(length)
     if len(payload) < length:
         return None
-    return pickle.loads(payload)  # our own parent (or worker), on a pipe private to the two
+    return payload
 
 
 def write_message(stream: IO[bytes], payload: bytes) -> None:

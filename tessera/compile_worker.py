@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 PARENT_POLL_SECONDS = 0.25  # how often a worker looks whether its parent is still there
 
 
-def run(job: PieceJob) -> JobDone:
+def run(job: PieceJob) -> JobDone | JobFailed:
     """Compile ``job`` as the parent would have, into the entry's directory."""
     import contextlib
     from pathlib import Path
 
-    from tessera import counters
+    from tessera import _compat, counters
     from tessera.cache import liveness
-    from tessera.compile_jobs import CACHE_ENV, JobDone, example_inputs
+    from tessera.compile_jobs import CACHE_ENV, JobDone, JobFailed, example_inputs
     from tessera.inductor_compiler import InductorCompiler
 
     for name in CACHE_ENV:
@@ -45,7 +45,17 @@ def run(job: PieceJob) -> JobDone:
     compiler.machine_record = Path(job.machine_record) if job.machine_record else None
     with job.state.applied(owns_process=True) if job.state is not None else contextlib.nullcontext():
         inputs = example_inputs(job.graph, job.inputs)
+        known = _compat.shape_guards(inputs)
         _, handle = compiler.compile(job.graph, inputs, job.config, job.size, job.key)
+        added = _compat.shape_guards(inputs)[len(known) :]
+        if added:
+            if handle is not None:  # not to be found by anyone: the parent writes its own
+                with contextlib.suppress(OSError):
+                    os.remove(Path(job.cache_dir) / handle)
+            # The compile assumed of the sizes what this process could not tell from their ranges
+            # (the trace's relations between sizes are not carried): code the parent's check does
+            # not guard. The parent compiles the piece itself, with every fact of the trace.
+            return JobFailed(f"the compile here assumed {', '.join(added[:3])}", unloadable=True)
     after = counters.snapshot()
     counts = {name: after[name] - before[name] for name in after if after[name] != before[name]}
     return JobDone(handle, time.perf_counter() - start, counts, os.getpid())
@@ -100,19 +110,25 @@ def main() -> None:
     # worker competes with the parent's served calls from its start.
     lower_process(os.environ.get("TESSERA_BACKGROUND_PRIORITY", "low"))
     from tessera import _compat
-    from tessera.compile_jobs import READY, JobFailed, read_message, write_message
+    from tessera.compile_jobs import READY, JobFailed, read_payload, write_message
 
     # Inductor's imports, before the first job arrives (they overlap with the parent's trace).
     _compat.preload_inductor()
     write_message(results, pickle.dumps(READY))
     while True:
-        job = read_message(jobs)
-        if job is None:
+        payload = read_payload(jobs)
+        if payload is None:
             return
+        result: JobDone | JobFailed
         try:
-            result: JobDone | JobFailed = run(job)
-        except Exception as e:  # the parent falls back to compiling in its own process
-            result = JobFailed(f"{type(e).__name__}: {e}")
+            job = pickle.loads(payload)  # from our parent, on a pipe private to the two
+        except Exception as e:  # an op or class the user's code defines, which this process lacks
+            result = JobFailed(f"{type(e).__name__}: {e}", unloadable=True)
+        else:
+            try:
+                result = run(job)
+            except Exception as e:  # the parent falls back to compiling in its own process
+                result = JobFailed(f"{type(e).__name__}: {e}")
         try:
             write_message(results, pickle.dumps(result))
         except BrokenPipeError:  # the parent is gone, or ended this worker: nothing to say

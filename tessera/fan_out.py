@@ -151,7 +151,9 @@ class WorkerFanOut:
                 return self.artifact_cache.record_compiled(
                     fn, handle, job.size, job.work.item.index, key, done.seconds, worker=done.pid
                 )
-        if not CLOSING.is_set():  # a worker ended by the exit is no failure to tell
+        if done.unloadable:  # the user's own op: compiled here, as without workers
+            log.debug("%s: compiled in this process (%s)", job.work.item.name, done.error)
+        elif not CLOSING.is_set():  # a worker ended by the exit is no failure to tell
             self.on_failure(job, done.error)
         return None
 

@@ -186,7 +186,7 @@ class PieceRunner:
         except AssertionError as e:
             if self.as_traced is None or not str(e).startswith(_INDUCTOR_INPUT_ASSERT):
                 raise
-            return self._as_traced(e, args)
+            return self._as_traced(e, args, artifact.label)
 
     def _by_shape(self, args: tuple[Any, ...]) -> _Artifact:
         """A piece with several dynamic sizes: the artifact of its shape where one is learnt, else
@@ -209,7 +209,7 @@ class PieceRunner:
         if keep is not None:
             keep(args)
 
-    def _as_traced(self, error: AssertionError, args: tuple[Any, ...]) -> Any:
+    def _as_traced(self, error: AssertionError, args: tuple[Any, ...], label: str) -> Any:
         """A compiled artifact refused its inputs (Inductor's own size and stride assert, before
         any kernel ran): the piece runs as traced, eager's kernels on any layout, and says so once.
         A call's check should never let such inputs through: the warning is a bug to report."""
@@ -217,7 +217,7 @@ class PieceRunner:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"tessera: piece {self.name} was handed inputs its compiled code was not made for "
+                f"tessera: piece {self.name} ({label}) was handed inputs its compiled code was not made for "
                 f"({str(error).splitlines()[0]}); it runs as traced (eager's kernels) for such calls. "
                 "Results are correct; please report this",
                 FallbackWarning,

@@ -52,8 +52,8 @@ from tessera._compat.guards import (
     guard_globals as guard_globals,
     guard_profile_skipped as guard_profile_skipped,
     input_dims as input_dims,
-    own_trace as own_trace,
     local_source_name as local_source_name,
+    own_trace as own_trace,
     placeholder_dims as placeholder_dims,
     placeholder_values as placeholder_values,
 )
@@ -88,6 +88,7 @@ from tessera._compat.runtime import (
 )
 from tessera._compat.shapes import (
     SymbolMaker as SymbolMaker,
+    shape_guards as shape_guards,
     symbol_facts as symbol_facts,
     symbol_knowledge as symbol_knowledge,
 )

@@ -322,7 +322,7 @@ def _inlined_globals_by_identity() -> None:
         scope = GlobalSource(self.output.install_global_by_id("___unnamed_scope", namespace))
         return namespace, VariableBuilder(self, scope)(namespace), DictGetItemSource(scope, name)
 
-    InliningInstructionTranslator.get_globals_source_and_value = get_globals_source_and_value
+    InliningInstructionTranslator.get_globals_source_and_value = get_globals_source_and_value  # type: ignore[method-assign]
 
 
 def guard_build_abandoned() -> None:

@@ -82,6 +82,21 @@ def symbol_knowledge(values: Any) -> list[str]:
     return sorted(set(facts))
 
 
+def shape_guards(values: Any) -> list[str]:
+    """The guards recorded so far in the shape env of ``values`` (fake tensors, SymInts), in
+    order, as text; empty without one. A compile that adds to them assumed something of the sizes.
+
+    Checked on torch 2.13, 2.15: private ``ShapeEnv.guards``; no public guard list."""
+    for value in values:
+        sizes = (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                shape_env = getattr(size.node, "shape_env", None)
+                if shape_env is not None:
+                    return [str(getattr(g, "expr", g)) for g in getattr(shape_env, "guards", ())]
+    return []
+
+
 def _bound(value: Any) -> int | None:
     """A range's bound as an int; None for int_oo and sympy's infinities (no bound).
 
