@@ -191,7 +191,8 @@ def _build_pieces(
     progress = CompileProgress(split_model.prefix, len(needed))
     try:
         with COMPILE_LOCK, turn:
-            if split_model.pool is not None and split_model.artifact_cache.lacks(needed):
+            sendable = any(not _compat.ops_of_the_users(item.graph) for item, _, _ in calls)
+            if split_model.pool is not None and sendable and split_model.artifact_cache.lacks(needed):
                 # Started now (after the fleet's turn: what it published is in the index), so that
                 # the workers import Inductor while the first artifacts compile. A warm start
                 # starts none; sizes missing later start them with their first job.

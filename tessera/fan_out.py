@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tessera import compile_pool, counters
+from tessera import _compat, compile_pool, counters
 from tessera.background import CLOSING, check_open
 from tessera.compile_jobs import JobDone, JobFailed
 from tessera.compile_pool import CompilePool, Reply
@@ -77,8 +77,8 @@ class WorkerFanOut:
         """Hand ``job`` to the workers; False when the caller must compile it (a range, or the
         workers cannot take it)."""
         size, item = job.size, job.work.item
-        if isinstance(size, SizeRange):
-            return False
+        if isinstance(size, SizeRange) or _compat.ops_of_the_users(item.graph):
+            return False  # a range, or an op of the user's code a worker does not have
         key = self.artifact_cache.content_key(job.work.content, size)
         if key in self.leaders:
             self.followers.setdefault(key, []).append(job)

@@ -101,6 +101,7 @@ from tessera._compat.tensors import (
     op_is_mutable as op_is_mutable,
     op_overload_name as op_overload_name,
     op_schema_name as op_schema_name,
+    ops_of_the_users as ops_of_the_users,
     overload_of as overload_of,
     packet_name as packet_name,
     same_storage as same_storage,

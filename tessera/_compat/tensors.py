@@ -5,6 +5,7 @@ Part of tessera._compat (see its docstring): the names are used as ``_compat.<na
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -178,3 +179,46 @@ def packet_name(op: torch._ops.OpOverloadPacket) -> str:
     Checked on torch 2.11, 2.13: the private ``OpOverloadPacket._qualified_op_name``; no public one.
     """
     return op._qualified_op_name  # type: ignore[no-any-return]
+
+
+def ops_of_the_users(graph: torch.fx.GraphModule) -> list[str]:
+    """The ops ``graph`` calls that the user's code defined in Python (``torch.library.custom_op``
+    or ``Library.define`` outside torch): a fresh process, such as a compile worker, does not
+    have them, so a graph that calls one cannot be sent there.
+
+    Checked on torch 2.13, 2.15: private ``torch._library.custom_ops.OPDEFS`` (each op's defining
+    function) and ``torch.library._defs`` (every qualname Python defined); no public registry of
+    who defined an op. Namespaces torch itself defines in Python are those known when this is
+    first asked, less any op whose defining function is the user's."""
+    from torch._library.custom_ops import OPDEFS
+
+    found = []
+    defined = getattr(torch.library, "_defs", set())
+    torch_namespaces = _torch_namespaces()
+    for node in graph.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, OpOverload | OpOverloadPacket):
+            continue
+        name = target.name() if isinstance(target, OpOverload) else target._qualified_op_name
+        qualname = name.split(".")[0]
+        custom = OPDEFS.get(qualname)
+        if custom is not None:
+            module = getattr(getattr(custom, "_init_fn", None), "__module__", "") or ""
+            if not module.startswith("torch."):
+                found.append(qualname)
+        elif qualname in defined and qualname.split("::")[0] not in torch_namespaces:
+            found.append(qualname)
+    return sorted(set(found))
+
+
+@functools.cache
+def _torch_namespaces() -> frozenset[str]:
+    from torch._library.custom_ops import OPDEFS
+
+    namespaces = set()
+    for qualname in getattr(torch.library, "_defs", set()):
+        custom = OPDEFS.get(qualname)
+        module = getattr(getattr(custom, "_init_fn", None), "__module__", "torch.") or ""
+        if module.startswith("torch."):
+            namespaces.add(qualname.split("::")[0])
+    return frozenset(namespaces)
