@@ -121,4 +121,4 @@ def test_generate_at_many_batches_and_lengths_converges_through_the_idiom():
         assert torch.equal(got, eager), f"generation {i}: {calls[i]}"
     # Bounded by the kinds of call (prefill, decode; with and without a mask; sizes of 1), not by
     # the batches and lengths: 9 shapes of generation, 36 calls, within the default limit.
-    assert len(compiled.traces) <= compiled.compile_config.max_traces
+    assert len(compiled.traces) <= compiled.compile_config.trace_limit

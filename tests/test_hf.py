@@ -298,7 +298,7 @@ def test_generate_under_compile_for_generate_matches_eager(family, backend, cach
     # Compiled code served every step of the three generations (prefill and decode: 3 + 9 + 5 + 5
     # calls at least), each kind of call traced once, within the limit of traces.
     assert compiled_calls(compiled) >= 3 + 9 + 5 + 5
-    assert len(compiled.traces) <= compiled.compile_config.max_traces
+    assert len(compiled.traces) <= compiled.compile_config.trace_limit
     if how == "idiom":
         return
     forward.restore()
