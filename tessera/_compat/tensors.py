@@ -193,14 +193,14 @@ def ops_of_the_users(graph: torch.fx.GraphModule) -> list[str]:
     from torch._library.custom_ops import OPDEFS
 
     found = []
-    defined = getattr(torch.library, "_defs", set())
+    defined: set[str] = getattr(torch.library, "_defs", set())
     torch_namespaces = _torch_namespaces()
     for node in graph.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload | OpOverloadPacket):
             continue
-        name = target.name() if isinstance(target, OpOverload) else target._qualified_op_name
-        qualname = name.split(".")[0]
+        name = str(target.name() if isinstance(target, OpOverload) else target._qualified_op_name)  # type: ignore[no-untyped-call]
+        qualname = name.split(".", maxsplit=1)[0]
         custom = OPDEFS.get(qualname)
         if custom is not None:
             module = getattr(getattr(custom, "_init_fn", None), "__module__", "") or ""
