@@ -236,12 +236,19 @@ def guard_profile_skipped() -> Iterator[None]:
     (``torch._dynamo.guards.profile_guard_manager``, a name the module imports from C++).
     """
     _skip_guard_profile()
-    before = getattr(_GUARD_PROFILE_SKIPPED, "on", False)
-    _GUARD_PROFILE_SKIPPED.on = True
+    with _flag_on(_GUARD_PROFILE_SKIPPED):
+        yield
+
+
+@contextlib.contextmanager
+def _flag_on(flag: threading.local) -> Iterator[None]:
+    """``flag.on`` set in this thread until the block ends, then put back (blocks nest)."""
+    before = getattr(flag, "on", False)
+    flag.on = True
     try:
         yield
     finally:
-        _GUARD_PROFILE_SKIPPED.on = before
+        flag.on = before
 
 
 @functools.cache
@@ -276,12 +283,8 @@ def own_trace() -> Iterator[None]:
     Checked on torch 2.13, 2.15: installs the stand-in for Dynamo's private
     ``get_globals_source_and_value``; no public way to choose how Dynamo reads globals."""
     _inlined_globals_by_identity()
-    before = getattr(_OWN_TRACE, "on", False)
-    _OWN_TRACE.on = True
-    try:
+    with _flag_on(_OWN_TRACE):
         yield
-    finally:
-        _OWN_TRACE.on = before
 
 
 def _not_its_module(namespace: dict[str, Any]) -> bool:
