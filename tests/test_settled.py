@@ -131,7 +131,9 @@ def _profiled(cache: Path, *tool: str) -> dict[str, Any]:
 @pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "tool", [("cProfile", "-o", "profile.out"), ("trace", "--count", "--missing")], ids=["cProfile", "trace"]
+    "tool",
+    [("cProfile", "-o", "profile.out"), ("trace", "--count", "--missing", "-C", "coverage")],
+    ids=["cProfile", "trace"],
 )
 def test_a_script_under_a_profiler_or_tracer_compiles_and_starts_warm(tmp_path, tool):
     cache = tmp_path / "cache"
