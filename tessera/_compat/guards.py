@@ -242,7 +242,9 @@ def guard_profile_skipped() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _flag_on(flag: threading.local) -> Iterator[None]:
-    """``flag.on`` set in this thread until the block ends, then put back (blocks nest)."""
+    """``flag.on`` set in this thread until the block ends, then put back (blocks nest).
+
+    Checked on torch 2.11-2.15: tessera's own flag; no torch API is used."""
     before = getattr(flag, "on", False)
     flag.on = True
     try:
@@ -271,7 +273,7 @@ def _skip_guard_profile() -> None:
     setattr(module, "profile_guard_manager", profile_guard_manager)  # noqa: B010  (a name only some torch has)
 
 
-# Checked on torch 2.13 (2.15 not yet): tessera's own per-thread flag, read by the stand-in below.
+# Checked on torch 2.13 (2.15: not yet): tessera's own per-thread flag, read by the stand-in below.
 _OWN_TRACE = threading.local()  # per thread: inside one of tessera's traces (own_trace)
 
 
@@ -280,7 +282,7 @@ def own_trace() -> Iterator[None]:
     """Dynamo as tessera's traces need it, in this thread only: a function whose globals are not
     its module's dict is read through those globals (``inlined_globals_by_identity``).
 
-    Checked on torch 2.13 (2.15 not yet): installs the stand-in for Dynamo's private
+    Checked on torch 2.13 (2.15: not yet): installs the stand-in for Dynamo's private
     ``get_globals_source_and_value``; no public way to choose how Dynamo reads globals."""
     _inlined_globals_by_identity()
     with _flag_on(_OWN_TRACE):
@@ -292,7 +294,7 @@ def _not_its_module(namespace: dict[str, Any]) -> bool:
     ``__name__`` imports: a script run by ``python -m cProfile`` or ``python -m trace`` has
     globals named ``__main__`` while ``sys.modules['__main__']`` is the profiler's module.
 
-    Checked on torch 2.13 (2.15 not yet): mirrors the module lookup of Dynamo's private
+    Checked on torch 2.13 (2.15: not yet): mirrors the module lookup of Dynamo's private
     ``InstructionTranslator.import_source``; no public equivalent."""
     name = namespace.get("__name__")
     module = sys.modules.get(name) if isinstance(name, str) else None
@@ -311,7 +313,7 @@ def _inlined_globals_by_identity() -> None:
     globals are always an inlined function's; under ``python -m cProfile script.py`` Dynamo
     imports ``__main__`` (the profiler) for them, and the trace fails on
     ``G['__import___main__'].torch``. Stock ``torch.compile`` traces the forward as its root
-    frame and never meets this. Checked on torch 2.13 (2.15 not yet): the private
+    frame and never meets this. Checked on torch 2.13 (2.15: not yet): the private
     ``InliningInstructionTranslator.get_globals_source_and_value`` and
     ``OutputGraph.install_global_by_id``; another torch without them: nothing done."""
     try:
@@ -344,7 +346,7 @@ def guard_build_abandoned() -> None:
     holds the traced frame's locals (``output_graph``) until the end of its ``__init__``, which a
     raising filter never reaches: the model could then never be freed.
 
-    Checked on torch 2.13 (2.15 not yet): ``CheckFunctionManager`` (private; ``_weakrefs``,
+    Checked on torch 2.13 (2.15: not yet): ``CheckFunctionManager`` (private; ``_weakrefs``,
     ``output_graph``) calls the filter from its own ``__init__``. Another torch: nothing found,
     nothing done."""
     from torch._dynamo.guards import CheckFunctionManager

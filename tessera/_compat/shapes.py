@@ -48,7 +48,7 @@ def symbol_knowledge(values: Any) -> list[str]:
     differ (Inductor simplifies with them: a slice ``x[-15:]`` of a size known to be at most 14
     is all of ``x``), so two graphs are one only where this is equal too.
 
-    Checked on torch 2.13 (2.15 not yet): private ``ShapeEnv.var_to_range`` and ``ShapeEnv.guards`` (each
+    Checked on torch 2.13 (2.15: not yet): private ``ShapeEnv.var_to_range`` and ``ShapeEnv.guards`` (each
     with ``.expr``), reached through ``SymNode.shape_env`` / ``FakeTensor.fake_mode``; no public
     view of a trace's symbol ranges and guards."""
     shape_env = None
@@ -86,7 +86,7 @@ def shape_guards(values: Any) -> list[str]:
     """The guards recorded so far in the shape env of ``values`` (fake tensors, SymInts), in
     order, as text; empty without one. A compile that adds to them assumed something of the sizes.
 
-    Checked on torch 2.13 (2.15 not yet): private ``ShapeEnv.guards``; no public guard list."""
+    Checked on torch 2.13 (2.15: not yet): private ``ShapeEnv.guards``; no public guard list."""
     for value in values:
         sizes = (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,)
         for size in sizes:

@@ -186,7 +186,7 @@ def ops_of_the_users(graph: torch.fx.GraphModule) -> list[str]:
     or ``Library.define`` outside torch): a fresh process, such as a compile worker, does not
     have them, so a graph that calls one cannot be sent there.
 
-    Checked on torch 2.13 (2.15 not yet): private ``torch._library.custom_ops.OPDEFS`` (each op's defining
+    Checked on torch 2.13 (2.15: not yet): private ``torch._library.custom_ops.OPDEFS`` (each op's defining
     function) and ``torch.library._defs`` (every qualname Python defined); no public registry of
     who defined an op. Namespaces torch itself defines in Python are those known when this is
     first asked, less any op whose defining function is the user's."""
@@ -215,7 +215,7 @@ def ops_of_the_users(graph: torch.fx.GraphModule) -> list[str]:
 def _torch_namespaces() -> frozenset[str]:
     """The op namespaces torch defines in Python itself (known when first asked).
 
-    Checked on torch 2.13 (2.15 not yet): private ``torch.library._defs`` and ``OPDEFS``; no public list."""
+    Checked on torch 2.13 (2.15: not yet): private ``torch.library._defs`` and ``OPDEFS``; no public list."""
     from torch._library.custom_ops import OPDEFS
 
     namespaces = set()
