@@ -57,6 +57,11 @@ def _close() -> None:
 _compat.before_thread_joins(_close)
 
 
+def _run(context: contextvars.Context, fn: Callable[..., None], *args: Any) -> None:
+    with _compat.rng_left_alone():  # imported in this thread: the caller's call goes on
+        context.run(fn, *args)
+
+
 def start_thread(
     name: str, fn: Callable[..., None], *args: Any, finish_at_exit: bool = False
 ) -> threading.Thread | None:
@@ -70,14 +75,16 @@ def start_thread(
     see _compat.isolate_fx_tracing). It runs in a copy of this thread's context: Inductor's and
     Dynamo's settings are context variables (torch 2.13: ``config.x = v`` sets a ContextVar), and
     a new thread starts with an empty context, so the user's settings, which the cache key has
-    read, would be missing from the compile. No process-wide state is changed for it: no priority,
-    no switch interval, no trace function, no garbage collector setting."""
+    read, would be missing from the compile. Its compiles leave the global random generator alone
+    (``_compat.rng_left_alone``): the user's draws meanwhile are not undone. No process-wide state
+    is changed for it: no priority, no switch interval, no trace function, no garbage collector
+    setting."""
     if CLOSING.is_set():
         return None
     _compat.isolate_fx_tracing()
     _compat.settle_device_guards()
     context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(fn, *args), name=name, daemon=False)
+    thread = threading.Thread(target=_run, args=(context, fn, *args), name=name, daemon=False)
     thread.start()
     if finish_at_exit:
         _finishing[:] = [t for t in _finishing if t.is_alive()]

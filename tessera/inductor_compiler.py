@@ -121,9 +121,11 @@ class InductorCompiler:
     ) -> tuple[Callable[..., Any], Any]:
         patches: dict[str, Any] = {}
         if isinstance(size, int | Shape):
-            # A single size (or shape) is compiled with static shapes: worth Inductor's autotuning.
-            # The example inputs are concrete: "from_graph" would keep the graph's symbols.
-            patches["max_autotune"] = True
+            # A single size (or shape) is compiled with static shapes: worth Inductor's autotuning,
+            # but not beside the user's code: its benchmarks draw their inputs from the global
+            # random generator, which is the user's (_compat.rng_left_alone). The example
+            # inputs are concrete: "from_graph" would keep the graph's symbols.
+            patches["max_autotune"] = not _compat.rng_is_left_alone()
             dynamic_shapes = "from_example_inputs"
         else:
             dynamic_shapes = "from_graph"

@@ -84,7 +84,8 @@ def sampling(impl: str, calls: int) -> dict[str, Any]:
     before = _process_state()
     model, compiled = _model(impl)
     torch.manual_seed(1234)
-    draws: list[float] = []
+    draws: list[float] = []  # the global stream: a torch.rand after each multinomial
+    picks: list[int] = []  # what the multinomial picked: it reads the model's output
     stopped = 0
     n = 0
     extra = 20
@@ -92,10 +93,11 @@ def sampling(impl: str, calls: int) -> dict[str, Any]:
         while (calls and n < calls) or (not calls and extra > 0):
             size = SIZES[n % len(SIZES)]
             logits = compiled(*toy_llama.example_inputs(size))
-            # Rounded, so that a compiled kernel's last bit cannot move a draw; the stream of
-            # random numbers a multinomial consumes does not depend on the probabilities.
+            # The stream of random numbers a multinomial consumes does not depend on the
+            # probabilities, so the rand after it is eager's whatever the logits' last bits; the
+            # pick reads them (rounded, a kernel's last bit moves it only at a rounding boundary).
             probs = torch.softmax(logits[-1].double(), -1).round(decimals=2) + 1e-3
-            draws.append(int(torch.multinomial(probs, 1)))
+            picks.append(int(torch.multinomial(probs, 1)))
             draws.append(float(torch.rand(())))
             n += 1
             time.sleep(GAP)  # a service's requests come with gaps between them
@@ -118,6 +120,7 @@ def sampling(impl: str, calls: int) -> dict[str, Any]:
     return {
         "calls": n,
         "draws": draws,
+        "picks": picks,
         "rng_state": torch.get_rng_state().tolist()[-32:],
         "ready": ready,
         "before": before,

@@ -39,6 +39,10 @@ def test_the_users_sampling_draws_eagers_stream_and_nothing_process_wide_changes
         eager = _guest(tmp_path / "eager", "sampling", "--impl", "eager", "--calls", str(ours["calls"]))
         assert ours["calls"] == eager["calls"] >= 20 and (process == "warm" or ours["calls"] > 20)
         assert ours["draws"] == eager["draws"], f"{process}: the user's draws differ from eager's"
+        # The picks read the logits: a compiled kernel's last bit could move a rounded probability
+        # across its boundary (rare); a replayed stream or a wrong output moves many.
+        moved = sum(a != b for a, b in zip(ours["picks"], eager["picks"], strict=True))
+        assert moved <= max(1, len(ours["picks"]) // 1000), f"{process}: {moved} picks differ"
         assert ours["rng_state"] == eager["rng_state"], process
         # Nothing process-wide changed: the switch interval, the collector, thread counts, the
         # default dtype, the serving thread's priority, and the user's tracers are theirs.

@@ -71,6 +71,8 @@ from tessera._compat.inductor import (
     load_compiled_artifact as load_compiled_artifact,
     picked_vec_isa as picked_vec_isa,
     preload_inductor as preload_inductor,
+    rng_is_left_alone as rng_is_left_alone,
+    rng_left_alone as rng_left_alone,
     standalone_compile as standalone_compile,
     trusted_vec_isa as trusted_vec_isa,
     vec_isa_candidates as vec_isa_candidates,

@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -310,3 +311,68 @@ def custom_graph_pass_base() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+# Checked on torch 2.13 (2.15: not yet): tessera's own per-thread flag, read by the stand-in below.
+_RNG_LEFT_ALONE = threading.local()  # per thread: a compile of tessera's beside the user's code
+
+
+@contextlib.contextmanager
+def rng_left_alone() -> Iterator[None]:
+    """In this thread, until the block ends: a compile leaves the global random generator alone.
+
+    Reason: Dynamo's, AOTAutograd's and Inductor's compiles save the global generator's state as
+    they start and set it back as they end (``torch._dynamo.utils.preserve_rng_state``), so that
+    a compile leaves it as it found it. In a background thread that undoes every draw the user's
+    code made meanwhile, and the user's sampling repeats earlier numbers. A compile on fake tensors
+    draws nothing (max_autotune's benchmarks do: tessera turns it off in such threads), so there
+    it saves and restores nothing. Checked on torch 2.13 (2.15: not yet): installs the stand-in
+    for the private ``preserve_rng_state`` where compiles read it."""
+    from tessera._compat.guards import _flag_on
+
+    _leave_rng_alone()
+    with _flag_on(_RNG_LEFT_ALONE):
+        yield
+
+
+def rng_is_left_alone() -> bool:
+    """Whether this thread is inside ``rng_left_alone`` (its compiles must not draw).
+    Checked on torch 2.11-2.15: tessera's own flag; no torch API is used."""
+    return bool(getattr(_RNG_LEFT_ALONE, "on", False))
+
+
+# Where a compile reads ``preserve_rng_state`` by a name it imported (Inductor's compile_fx reads
+# it through the module). Checked on torch 2.13 (2.15: not yet).
+_PRESERVE_RNG_USERS = (
+    "torch._functorch.aot_autograd",
+    "torch._inductor.select_algorithm",
+    "torch._inductor.codegen.triton",
+)
+
+
+@functools.cache
+def _leave_rng_alone() -> None:
+    """Put a stand-in for ``preserve_rng_state`` where compiles read it: the original everywhere
+    but in a thread inside ``rng_left_alone``. Checked on torch 2.13 (2.15: not yet); another
+    torch without it: nothing done."""
+    import torch._dynamo.utils as dynamo_utils
+
+    original = getattr(dynamo_utils, "preserve_rng_state", None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def preserve_rng_state() -> Iterator[None]:
+        if getattr(_RNG_LEFT_ALONE, "on", False):
+            yield
+            return
+        with original():
+            yield
+
+    dynamo_utils.preserve_rng_state = preserve_rng_state
+    # A module imported later takes the stand-in by its import; one imported already, here.
+    for name in _PRESERVE_RNG_USERS:
+        module = sys.modules.get(name)
+        if getattr(module, "preserve_rng_state", None) is original:
+            setattr(module, "preserve_rng_state", preserve_rng_state)  # noqa: B010
