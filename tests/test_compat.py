@@ -6,6 +6,7 @@ user's trace or warm start. Run alone on any torch with ``make test-compat TORCH
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from typing import Any
@@ -584,3 +585,35 @@ def test_a_background_thread_finds_the_device_guard_set_by_the_thread_that_start
         assert seen == [[threading.get_ident()]]  # set once, by the starter, before the thread ran
     finally:
         _compat.settle_device_guards.cache_clear()
+
+
+def test_a_compile_in_a_thread_left_alone_keeps_the_draws_made_meanwhile():
+    import threading
+
+    from torch._dynamo import utils as dynamo_utils
+
+    def compile_like(left_alone: bool) -> torch.Tensor:
+        """A compile's save-and-restore around a draw the user's thread makes meanwhile."""
+        drawn = threading.Event()
+        resume = threading.Event()
+
+        def compile_thread() -> None:
+            with _compat.rng_left_alone() if left_alone else contextlib.nullcontext():
+                with dynamo_utils.preserve_rng_state():
+                    drawn.set()
+                    resume.wait(10)
+
+        torch.manual_seed(7)
+        thread = threading.Thread(target=compile_thread)
+        thread.start()
+        drawn.wait(10)
+        first = torch.rand(3)  # the user's draw, while the compile runs
+        resume.set()
+        thread.join()
+        return torch.cat([first, torch.rand(3)])
+
+    torch.manual_seed(7)
+    eager = torch.rand(6)
+    assert torch.equal(compile_like(left_alone=True), eager)
+    assert not torch.equal(compile_like(left_alone=False), eager)  # the stream repeats
+    assert not _compat.rng_is_left_alone()
