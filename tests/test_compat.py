@@ -598,10 +598,10 @@ def test_a_compile_in_a_thread_left_alone_keeps_the_draws_made_meanwhile():
         resume = threading.Event()
 
         def compile_thread() -> None:
-            with _compat.rng_left_alone() if left_alone else contextlib.nullcontext():
-                with dynamo_utils.preserve_rng_state():
-                    drawn.set()
-                    resume.wait(10)
+            alone = _compat.rng_left_alone() if left_alone else contextlib.nullcontext()
+            with alone, dynamo_utils.preserve_rng_state():
+                drawn.set()
+                resume.wait(10)
 
         torch.manual_seed(7)
         thread = threading.Thread(target=compile_thread)
