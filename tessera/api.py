@@ -220,7 +220,8 @@ class CompiledModel(ModelView):
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every size of every trace is in place (and a size being learnt from traffic
         is compiled), at most ``timeout`` seconds; whether it is. A server gates its readiness on
-        it; calls are served (by the general artifacts) meanwhile."""
+        it; calls are served (by the general artifacts) meanwhile. False at once before the first
+        call (nothing is traced to wait for); on the guarded path, the graphs reached so far."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self.wait_traced(timeout):
             return False
