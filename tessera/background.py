@@ -58,7 +58,7 @@ _compat.before_thread_joins(_close)
 
 
 def _run(context: contextvars.Context, fn: Callable[..., None], *args: Any) -> None:
-    with _compat.rng_left_alone():  # imported in this thread: the caller's call goes on
+    with _compat.rng_left_alone():
         context.run(fn, *args)
 
 
@@ -83,6 +83,8 @@ def start_thread(
         return None
     _compat.isolate_fx_tracing()
     _compat.settle_device_guards()
+    # Here, where Dynamo is loaded: a thread importing its modules races the user's imports.
+    _compat.leave_rng_alone_where_loaded()
     context = contextvars.copy_context()
     thread = threading.Thread(target=_run, args=(context, fn, *args), name=name, daemon=False)
     thread.start()

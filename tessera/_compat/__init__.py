@@ -68,6 +68,7 @@ from tessera._compat.inductor import (
     inductor_config_overrides as inductor_config_overrides,
     inductor_config_repr as inductor_config_repr,
     kernel_env as kernel_env,
+    leave_rng_alone_where_loaded as leave_rng_alone_where_loaded,
     load_compiled_artifact as load_compiled_artifact,
     picked_vec_isa as picked_vec_isa,
     preload_inductor as preload_inductor,

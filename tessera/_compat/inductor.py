@@ -350,6 +350,14 @@ _PRESERVE_RNG_USERS = (
 )
 
 
+def leave_rng_alone_where_loaded() -> None:
+    """Install ``rng_left_alone``'s stand-in now if Dynamo is loaded (in the calling thread, so
+    that a thread about to start imports nothing beside the user's imports); else the first
+    ``rng_left_alone`` installs it. Checked on torch 2.13 (2.15: not yet)."""
+    if "torch._dynamo.utils" in sys.modules:
+        _leave_rng_alone()
+
+
 @functools.cache
 def _leave_rng_alone() -> None:
     """Put a stand-in for ``preserve_rng_state`` where compiles read it: the original everywhere
