@@ -169,6 +169,9 @@ def _build_pieces(
     built = time.perf_counter()
     split_model.phases["split"] = built - start
     calls = piece_calls(split_gm, items, list(example_inputs))
+    # The guards the trace holds now are its call check's: what a compile adds to them later is
+    # that compile's own assumption, checked by its piece (_compat.compile_assumptions).
+    _compat.note_trace(list(example_inputs))
     later = _background(split_model)
     needed = {
         index_key(s, item.index, split_model.compiler.name)

@@ -25,6 +25,9 @@ NAMES = (
     "sizes_learnt",  # static sizes compiled because the traffic had them (compile_sizes="auto")
     "sizes_retired",  # learnt sizes taken out for hotter ones
     "served_eagerly",  # calls the model's forward served while their trace was made (beside.py)
+    # Piece calls whose sizes were outside what the chosen artifact's compile assumed (a size it
+    # fixed: Inductor's Eq(s, 14) at a window's edge): run as traced, eager's kernels (piece.py).
+    "outside_assumptions",
     "compile_workers_started",  # compile worker processes started (compile_pool.py)
     # The remote tier: requests made to its store (Redis commands, object-store HTTP requests),
     # those that write (PUTs: an object store bills them at about ten times a GET), and the blob

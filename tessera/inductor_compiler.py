@@ -88,6 +88,7 @@ class InductorCompiler:
             # What tessera writes into a graph before Inductor sees it (layout.keep_eager_layouts);
             # raise when that changes, so that artifacts compiled without it are not loaded.
             "graph_rewrites": 1,
+            "piece_file": piece_file.FORMAT,
         }
 
     def key_record(self) -> KeyRecord:
@@ -143,12 +144,19 @@ class InductorCompiler:
         from tessera.layout import keep_eager_layouts
 
         laid_out = keep_eager_layouts(graph)
+        baseline = _compat.guard_baseline(example_inputs)
         with _compat.trusted_vec_isa(self._probe_recorded()):
             artifact = _compat.standalone_compile(laid_out, list(example_inputs), dynamic_shapes, patches)
         counters.bump("inductor_compiles")
         self._record_probe()
+        try:
+            guards = _compat.compile_assumptions(example_inputs, baseline) or ""
+        except ValueError as e:
+            # Code whose assumptions cannot be checked per call must not serve: the piece runs
+            # as traced for this size (a correct result, eager's speed).
+            raise CompilerError(f"what the compile assumed of the sizes cannot be checked ({e})") from e
         standard = _standard_bytes(artifact) if self.cache_dir is not None else b""
-        piece = piece_file.package(artifact, graph, example_inputs, standard)
+        piece = piece_file.package(artifact, graph, example_inputs, standard, guards)
         # The cold process runs what a warm one will load: the direct code where there is one.
         fn = self._callable(piece, artifact, key)
         compiled = _compat.find_compiled_graph(artifact)
@@ -264,11 +272,13 @@ class InductorCompiler:
             if artifact is None:
                 artifact = self._load_standard(piece.standard)
             fn = artifact
-        if piece.returns_tuple:
-            return fn
-        # The piece graph returned a single value. Inductor's code returns a sequence; torch 2.15's
-        # standalone-compile artifact returns the graph's own structure (the value itself).
-        return functools.partial(_single_output, fn)
+        if not piece.returns_tuple:
+            # The piece graph returned a single value. Inductor's code returns a sequence; torch
+            # 2.15's standalone-compile artifact returns the graph's own structure (the value).
+            fn = functools.partial(_single_output, fn)
+        if piece.guards:
+            return GuardedCode(fn, _compat.guard_check(piece.guards))
+        return fn
 
     def _load_standard(self, data: bytes) -> Any:
         if not data:
@@ -298,6 +308,20 @@ class InductorCompiler:
             atomic_write(self.machine_record, json.dumps(record, sort_keys=True).encode())
         except OSError as e:
             log.debug("cannot record the ISA probe at %s: %s", self.machine_record, e)
+
+
+class GuardedCode:
+    """A piece's compiled code with what its compile assumed of the inputs' sizes (``holds``):
+    the piece's runner checks it before each call, and runs the piece as traced where it fails."""
+
+    __slots__ = ("__weakref__", "fn", "holds")  # weakly referable: the compiler keeps notes on it
+
+    def __init__(self, fn: Callable[..., Any], holds: Callable[[tuple[Any, ...]], bool]) -> None:
+        self.fn = fn
+        self.holds = holds
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
 
 
 def _single_output(fn: Callable[..., Any], *args: Any) -> Any:

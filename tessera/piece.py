@@ -16,7 +16,7 @@ import torch
 from tessera import counters
 from tessera._compat import is_constant_symint, sym_expr, symbol_ranks
 from tessera.config import TRACED_LABEL, Shape, Size, SizeRange, size_label
-from tessera.errors import ConfigError, FallbackWarning, SizeNotCompiledError
+from tessera.errors import CompilerError, ConfigError, FallbackWarning, SizeNotCompiledError
 from tessera.learn import SizeTally
 from tessera.piece_inputs import SavedInputs, device_memory
 
@@ -109,13 +109,17 @@ _INDUCTOR_INPUT_ASSERT = "expected size"
 
 
 class _Artifact:
-    __slots__ = ("as_traced", "fn", "label", "served")
+    __slots__ = ("as_traced", "fn", "holds", "label", "outside", "served")
 
     def __init__(self, fn: Callable[..., Any], label: str, as_traced: bool = False) -> None:
         self.fn = fn
         self.label = label
         self.served = 0
         self.as_traced = as_traced  # the piece as traced, serving until its artifact compiles
+        # What the compile assumed of the inputs' sizes (inductor_compiler.GuardedCode), checked
+        # before each call; None: nothing beyond the trace's own check.
+        self.holds: Callable[[tuple[Any, ...]], bool] | None = getattr(fn, "holds", None)
+        self.outside = 0  # calls its assumptions did not hold for, run as traced
 
 
 class PieceRunner:
@@ -180,6 +184,9 @@ class PieceRunner:
             if self.tally is not None:
                 self.tally.seen(size, artifact.label)
         assert artifact is not None, f"{self.name}: no artifact chosen"
+        holds = artifact.holds
+        if holds is not None and not holds(args):
+            return self._outside(artifact, args)
         artifact.served += 1
         try:
             return artifact.fn(*args)
@@ -208,6 +215,24 @@ class PieceRunner:
         keep, self.keep_inputs = self.keep_inputs, None
         if keep is not None:
             keep(args)
+
+    def _outside(self, artifact: _Artifact, args: tuple[Any, ...]) -> Any:
+        """A call whose sizes are outside what the chosen artifact's compile assumed (a size it
+        fixed, a relation it relied on): the piece runs as traced, eager's kernels, for it."""
+        if self.as_traced is None:
+            raise CompilerError(
+                f"piece {self.name} ({artifact.label}): this call's sizes are outside what its compile "
+                "assumed, and the piece's graph is not at hand to run it as traced. Please report this"
+            )
+        if not artifact.outside:
+            log.debug(
+                "piece %s (%s): a call outside what its compile assumed runs as traced",
+                self.name,
+                artifact.label,
+            )
+        artifact.outside += 1
+        counters.bump("outside_assumptions")
+        return self.as_traced(*args)
 
     def _as_traced(self, error: AssertionError, args: tuple[Any, ...], label: str) -> Any:
         """A compiled artifact refused its inputs (Inductor's own size and stride assert, before
@@ -300,6 +325,11 @@ class PieceRunner:
     def served(self) -> tuple[tuple[str, int], ...]:
         """How many calls each artifact has served so far (label, calls)."""
         return tuple((a.label, a.served) for a in (*self._retired, *self._artifacts.values()))
+
+    def guarded(self) -> bool:
+        """Whether an artifact of this piece assumed more of the sizes than the trace checks: a
+        process that loads it needs the piece's graph, to run the calls outside that as traced."""
+        return any(a.holds is not None for a in self._artifacts.values())
 
     def served_as_traced(self) -> tuple[tuple[str, int], ...]:
         """The part of ``served`` the piece as traced served (while its general artifact compiled)."""

@@ -36,7 +36,9 @@ from tessera import _compat
 log = logging.getLogger(__name__)
 
 MAGIC = b"TESSERA-PIECE\x00"
-FORMAT = 1
+# Raised with what a piece file holds; part of the compiler's key (inductor_compiler.py), so that a
+# file of another format is never looked up. 2: the compile's assumptions (``guards``).
+FORMAT = 2
 # Names Inductor's CPU wrapper code imports from Inductor (torch 2.11-2.13); see Runtime.
 RUNTIME_NAMES = {
     "run_intermediate_hooks",
@@ -80,6 +82,9 @@ class PieceFile:
     returns_tuple: bool
     why_not_direct: str = ""
     partitions: int = 0  # functions Inductor's graph partition made of the piece (0: none)
+    # What the compile assumed of its inputs' sizes beyond the trace's checks, as a Python
+    # expression over ``L['t0']``... (_compat.compile_assumptions); "" when nothing.
+    guards: str = ""
 
     def to_bytes(self) -> bytes:
         blobs: list[bytes] = []
@@ -96,6 +101,7 @@ class PieceFile:
             "returns_tuple": self.returns_tuple,
             "partitions": self.partitions,
             "why_not_direct": self.why_not_direct,
+            "guards": self.guards,
             "direct": None,
         }
         if self.direct is not None:
@@ -153,14 +159,20 @@ class PieceFile:
             bool(header["returns_tuple"]),
             str(header.get("why_not_direct", "")),
             int(header.get("partitions", 0)),
+            str(header["guards"]),
         )
 
 
 # -- cold: from Inductor's compiled artifact -------------------------------------------------------
 def package(
-    artifact: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any], standard: bytes
+    artifact: Any,
+    graph: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    standard: bytes,
+    guards: str = "",
 ) -> PieceFile:
-    """The piece file for a fresh standalone-compile ``artifact`` of ``graph``."""
+    """The piece file for a fresh standalone-compile ``artifact`` of ``graph`` (``guards``: what
+    the compile assumed of its inputs)."""
     returns_tuple = _graph_returns_tuple(graph)
     compiled = _compat.find_compiled_graph(artifact)
     source = compiled.source_code if compiled is not None else ""
@@ -169,8 +181,8 @@ def package(
         direct = extract_direct(artifact, graph, example_inputs)
     except NotDirect as e:
         log.debug("piece loads through Inductor only: %s", e)
-        return PieceFile(standard, None, returns_tuple, str(e), partitions)
-    return PieceFile(standard, direct, returns_tuple, partitions=partitions)
+        return PieceFile(standard, None, returns_tuple, str(e), partitions, guards)
+    return PieceFile(standard, direct, returns_tuple, partitions=partitions, guards=guards)
 
 
 def extract_direct(artifact: Any, graph: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> DirectCode:

@@ -321,6 +321,10 @@ def _install_saved(
             split_model.config.max_size,
             shape_sources=record.shape_sources,
         )
+        if runner.guarded():  # a call outside what a compile assumed runs the graph as traced
+            if content not in graphs:
+                return Refused(f"{record.name}: its graph was not saved, and a call may need it")
+            runner.as_traced = _traced_later(content, graphs, unpickled)
         runners[record.name] = runner
         attributes[record.name] = split_model.pieces.install_runner(record, runner)
     if unlearnable and split_model.learning.loaded:
@@ -348,6 +352,20 @@ def _install_saved(
         split_model.pieces.add_capture_sizes(sorted(s for s in loaded_learnt if isinstance(s, int)))
     split_model.learning.start(sorted(loaded_learnt, key=list(learnt).index))
     return forward
+
+
+def _traced_later(
+    content: str, graphs: dict[str, bytes], unpickled: dict[str, torch.fx.GraphModule]
+) -> Callable[..., Any]:
+    """A piece's graph as traced, unpickled at its first call (most processes never make one)."""
+
+    def as_traced(*args: Any) -> Any:
+        graph = unpickled.get(content)
+        if graph is None:
+            graph = unpickled.setdefault(content, model_artifact.load_graph(graphs[content]))
+        return graph(*args)
+
+    return as_traced
 
 
 def save_artifact(
@@ -387,9 +405,16 @@ def save_artifact(
             [p.name for p in pieces if p.is_splitting],
             [(p.name, p.layout) for p in pieces if p.is_splitting],
             split_model.sources,
-            None
-            if loads_without_graph(split_model.compiler) and not split_model.config.auto_sizes
-            else {p.name: p.content or "" for p in pieces if not p.is_splitting},
+            {
+                p.name: p.content or ""
+                for p in pieces
+                if not p.is_splitting
+                and (
+                    not loads_without_graph(split_model.compiler)
+                    or split_model.config.auto_sizes
+                    or (p.runner is not None and p.runner.guarded())  # runs as traced outside them
+                )
+            },
             spec,
             # Kept for the sizes a warm process learns (auto sizes) only: as Inductor is given them.
             laid_out=loads_without_graph(split_model.compiler),

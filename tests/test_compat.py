@@ -617,3 +617,42 @@ def test_a_compile_in_a_thread_left_alone_keeps_the_draws_made_meanwhile():
     assert torch.equal(compile_like(left_alone=True), eager)
     assert not torch.equal(compile_like(left_alone=False), eager)  # the stream repeats
     assert not _compat.rng_is_left_alone()
+
+
+def _symbolic(mode: Any, *shape: int) -> torch.Tensor:
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(shape))
+    return mode.from_tensor(torch.randn(*shape), symbolic_context=context)
+
+
+def test_what_a_compile_assumes_of_the_sizes_after_the_trace_is_checked_per_call():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    x, other = _symbolic(mode, 3, 14), _symbolic(mode, 5, 7)
+    length = x.shape[1]
+    assert bool(x.shape[0] >= 2)  # a guard of the trace: its call check holds it
+    _compat.note_trace([x, other])
+    baseline = _compat.guard_baseline([x, length])
+    assert _compat.compile_assumptions([x, length], baseline) is None  # nothing assumed yet
+    # What Inductor asks of the sizes as it compiles (here asked by hand, at the hints):
+    assert bool(x.shape[1] == 14)  # a size fixed (at a window's edge)
+    assert bool(16 * x.shape[0] + 16 != 240)  # a relation relied on
+    assert bool(other.shape[0] > 4)  # another piece's input: not this piece's assumption
+    expression = _compat.compile_assumptions([x, length], baseline)
+    assert expression is not None and "t1" in expression
+    holds = _compat.guard_check(expression)
+    assert holds((torch.randn(3, 14), 14))
+    assert not holds((torch.randn(3, 15), 15))  # the size the compile fixed
+    assert not holds((torch.randn(14, 14), 14))  # the relation
+    assert holds((torch.randn(9, 14), 14))
+    # A shape env made for one compile (a worker's) begins at its count then.
+    fresh = FakeTensorMode(shape_env=ShapeEnv())
+    y = _symbolic(fresh, 4, 4)
+    assert bool(y.shape[0] == y.shape[1])
+    start = _compat.guard_baseline([y])
+    assert bool(y.shape[0] > 3)
+    check = _compat.guard_check(_compat.compile_assumptions([y], start) or "True")
+    assert check((torch.randn(4, 4),)) and not check((torch.randn(3, 3),))

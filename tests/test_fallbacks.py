@@ -162,3 +162,35 @@ def test_a_retired_backend_in_the_environment_names_the_variable(monkeypatch):
     monkeypatch.setenv("TESSERA_BACKEND", "inductor_fx")
     with pytest.raises(tessera.ConfigError, match="TESSERA_BACKEND"):
         tessera.compile(toy_llama.build(num_layers=1))
+
+
+def test_a_call_outside_what_the_compile_assumed_runs_the_piece_as_traced_quietly():
+    from tessera.inductor_compiler import GuardedCode
+    from tessera.piece import PieceRunner
+
+    def compiled(x: torch.Tensor) -> torch.Tensor:  # code right only where dim 1 is 14
+        assert x.shape[1] == 14
+        return x * 2
+
+    traced_calls = []
+
+    def as_traced(x: torch.Tensor) -> torch.Tensor:
+        traced_calls.append(x.shape)
+        return x + x
+
+    holds = tessera._compat.guard_check("L['t0'].size()[1] == 14")
+    runner = PieceRunner("submod_0", {None: GuardedCode(compiled, holds)}, None, None)
+    tessera.counters.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no FallbackWarning: a planned path, not a bug
+        x = torch.randn(3, 14)
+        torch.testing.assert_close(runner(x), x * 2)
+        assert traced_calls == []
+        with pytest.raises(errors.CompilerError, match="not at hand"):
+            runner(torch.randn(3, 15))  # never the compiled code, even with nothing else to run
+        runner.as_traced = as_traced
+        y = torch.randn(3, 15)
+        torch.testing.assert_close(runner(y), y * 2)
+    assert traced_calls == [(3, 15)]
+    assert runner.guarded() and tessera.counters.snapshot()["outside_assumptions"] == 1
+    assert dict(runner.served()) == {"general": 1}

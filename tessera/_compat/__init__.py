@@ -91,7 +91,10 @@ from tessera._compat.runtime import (
 )
 from tessera._compat.shapes import (
     SymbolMaker as SymbolMaker,
-    shape_guards as shape_guards,
+    compile_assumptions as compile_assumptions,
+    guard_baseline as guard_baseline,
+    guard_check as guard_check,
+    note_trace as note_trace,
     symbol_facts as symbol_facts,
     symbol_knowledge as symbol_knowledge,
 )

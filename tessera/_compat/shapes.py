@@ -7,6 +7,9 @@ piece's example inputs with the trace's size symbols, their hints and their rang
 
 from __future__ import annotations
 
+import re
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,19 +85,108 @@ def symbol_knowledge(values: Any) -> list[str]:
     return sorted(set(facts))
 
 
-def shape_guards(values: Any) -> list[str]:
-    """The guards recorded so far in the shape env of ``values`` (fake tensors, SymInts), in
-    order, as text; empty without one. A compile that adds to them assumed something of the sizes.
+# Each trace's shape env, with how many guards it held when its call check was made: what a later
+# compile adds to it is an assumption of that compile only (``compile_assumptions``).
+_AT_TRACE: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
-    Checked on torch 2.13 (2.15: not yet): private ``ShapeEnv.guards``; no public guard list."""
+
+def _shape_env_of(values: Any) -> Any:
     for value in values:
         sizes = (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,)
         for size in sizes:
             if isinstance(size, torch.SymInt):
                 shape_env = getattr(size.node, "shape_env", None)
                 if shape_env is not None:
-                    return [str(getattr(g, "expr", g)) for g in getattr(shape_env, "guards", ())]
-    return []
+                    return shape_env
+    return None
+
+
+def note_trace(values: Any) -> None:
+    """Mark the guards the shape env of ``values`` (a trace's example inputs) holds now as the
+    trace's own: its call check holds them, so a compile need not say them again.
+
+    Checked on torch 2.13: private ``ShapeEnv.guards``."""
+    shape_env = _shape_env_of(values)
+    if shape_env is not None:
+        _AT_TRACE.setdefault(shape_env, len(shape_env.guards))
+
+
+def guard_baseline(values: Any) -> int:
+    """Where the guards a compile of a graph with inputs ``values`` adds begin: the trace's count
+    where ``note_trace`` marked its shape env, else (a shape env made for one compile) the count
+    now. Taken before the compile, handed to ``compile_assumptions`` after it."""
+    shape_env = _shape_env_of(values)
+    if shape_env is None:
+        return 0
+    return _AT_TRACE.get(shape_env, len(shape_env.guards))
+
+
+def compile_assumptions(values: Any, baseline: int) -> str | None:
+    """What a compile of a graph with inputs ``values`` (fake tensors, SymInts) assumed of their
+    sizes beyond what its trace checks: the guards its shape env gained after ``baseline`` over
+    those inputs' symbols, and every size a guard fixed to a number, as one Python expression over
+    ``L['t0']``, ``L['t1']``, ... (the inputs by position; ``guard_names`` holds what it calls).
+    None when it assumed nothing. Raises ValueError where a guard cannot be written over them.
+
+    Inductor simplifies with what it asks of the sizes (``Eq(s3, 14)`` at a window's edge,
+    ``Ne(16*s3 + 16, 240)``): its code is then right for the inputs that hold those facts only.
+
+    Checked on torch 2.13 (2.15: not yet): private ``ShapeEnv.guards``, ``ShapeEnv.simplify``,
+    ``ShapeEnv.produce_guards`` with ``guards=``, ``SymNode.expr`` and Dynamo's ``LocalSource``;
+    no public way to ask what a compile assumed of its inputs."""
+    shape_env = _shape_env_of(values)
+    if shape_env is None:
+        return None
+    from torch._dynamo.source import LocalSource
+
+    placeholders, sources, fixed = [], [], []
+    symbols: set[Any] = set()
+    for i, value in enumerate(values):
+        if not isinstance(value, torch.Tensor | torch.SymInt):
+            continue
+        name = f"L['t{i}']"
+        placeholders.append(value)
+        sources.append(LocalSource(f"t{i}"))
+        if isinstance(value, torch.SymInt):
+            parts: list[tuple[str, Any]] = [(name, value)]
+        else:
+            parts = [(f"{name}.size()[{d}]", s) for d, s in enumerate(value.shape)]
+            parts += [(f"{name}.stride()[{d}]", s) for d, s in enumerate(value.stride())]
+            parts.append((f"{name}.storage_offset()", value.storage_offset()))
+        for text, size in parts:
+            if not isinstance(size, torch.SymInt):
+                continue  # static in the trace: its call check holds it
+            expr = size.node.expr
+            if expr.is_number:  # symbolic in the trace, fixed since by a guard
+                fixed.append(f"{text} == {int(expr)}")
+            else:
+                symbols.update(expr.free_symbols)
+    added = []
+    for guard in shape_env.guards[baseline:]:
+        free = shape_env.simplify(guard.expr).free_symbols
+        if free and free <= symbols:  # about these inputs (another piece's guards are its own)
+            added.append(guard)
+    produced: list[str] = []
+    if added:
+        try:
+            produced = list(shape_env.produce_guards(placeholders, sources, guards=added))
+        except Exception as e:  # any failure to print: not writable over these inputs
+            raise ValueError(f"{type(e).__name__}: {e}") from e
+    facts = [*fixed, *produced]
+    return " and ".join(f"({fact})" for fact in facts) if facts else None
+
+
+def guard_check(expression: str) -> Callable[[tuple[Any, ...]], bool]:
+    """``expression`` (from ``compile_assumptions``) as a function of a call's inputs (a tuple).
+
+    Checked on torch 2.13: private ``torch.fx.experimental.symbolic_shapes.SYMPY_INTERP``, the
+    names Dynamo evaluates such guards with (``Min``, ``FloorDiv``, ...)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    body = re.sub(r"L\['t(\d+)'\]", r"_a[\1]", expression)
+    # Text tessera wrote itself (compile_assumptions), read from a piece file the cache trusts.
+    holds: Callable[[tuple[Any, ...]], bool] = eval(f"lambda _a: bool({body})", dict(SYMPY_INTERP))
+    return holds
 
 
 def _bound(value: Any) -> int | None:

@@ -292,23 +292,24 @@ def make(
     splitting: Sequence[str],
     layouts: Sequence[tuple[str, OutputLayout | None]],
     sources: Sequence[SourceFile],
-    contents: dict[str, str] | None,
+    contents: dict[str, str],
     call_spec: CallSpec,
     laid_out: bool = False,
 ) -> ModelArtifact:
-    """The artifact of a finished trace. ``contents`` (piece -> content hash) keeps the compiled
-    pieces' graphs, once per distinct content, for compilers that load from a graph, or that
-    compile the sizes a warm process learns (``laid_out``: as Inductor is given a graph, its
-    outputs in eager's layout: layout.keep_eager_layouts)."""
+    """The artifact of a finished trace. ``contents`` (piece -> content hash) keeps those compiled
+    pieces' graphs, once per distinct content: for compilers that load from a graph, that compile
+    the sizes a warm process learns, or whose artifact assumed more of the sizes than the trace
+    checks (a call outside that runs as traced). ``laid_out``: as Inductor is given a graph, its
+    outputs in eager's layout (layout.keep_eager_layouts)."""
     # _modules, not getattr: the backend shadows each submodule with what runs it.
     children: dict[str, Any] = dict(split_gm.named_children())
     modules = {name: PortableModule.of(children[name], positional=True) for name in splitting}
     graphs: dict[str, bytes] = {}
     piece_graphs = []
     for record in pieces:
-        if contents is None:
-            break
-        content = contents[record.name]
+        content = contents.get(record.name)
+        if content is None:
+            continue
         if content not in graphs:
             child = children[record.name]
             if not laid_out:
