@@ -58,9 +58,15 @@ def start_guarded(
 
     marked = [v for v in values.values() if isinstance(v, torch.Tensor)]
     start = time.perf_counter()
-    with _compat.dim_marks_restored(marked):
-        mark_dynamic(values, DynamicChoice(choice.dims, True))  # "maybe": Dynamo may keep one static
-        output = run(*args, **kwargs)
+    compiler.mark_outputs = True  # the frames after a break traced with the same dims dynamic
+    try:
+        with _compat.dim_marks_restored(marked):
+            mark_dynamic(values, DynamicChoice(choice.dims, True))  # "maybe": Dynamo may keep one static
+            output = run(*args, **kwargs)
+    finally:
+        compiler.mark_outputs = False
+        _compat.clear_dim_marks(compiler.marked)
+        compiler.marked.clear()
     seconds = time.perf_counter() - start
     breaks = [f"{r.source}: {r.reason}" for r, _ in graphs if r.graph_break]
     warnings.warn(

@@ -58,6 +58,11 @@ class GraphReceiver:
     guarded: bool = False  # Dynamo keeps its guards: compiled up front, each graph recorded
     on_graph: Callable[[GraphReport, SplitModel], None] | None = None
     split_model: SplitModel | None = None  # the last graph's; None until Dynamo has called
+    # While set (tessera.compile's guarded path, its first call): the dynamic dims of what a graph
+    # that ends at a break returns are marked, so that Dynamo traces the frame resumed after the
+    # break with them dynamic, as the first frame, and a call of another size compiles nothing.
+    mark_outputs: bool = False
+    marked: list[torch.Tensor] = dataclasses.field(default_factory=list)
     _warned_sizes: bool = False
 
     @classmethod
@@ -172,7 +177,26 @@ class GraphReceiver:
         )
         if self.on_graph is not None:
             self.on_graph(record, split_model)
+        dims = _dynamic_output_dims(gm) if graph_break else []
+        if dims:
+            return self._marking(split_model.split_forward, dims)
         return split_model.split_forward
+
+    def _marking(self, forward: Callable[..., Any], dims: list[tuple[int, list[int]]]) -> Callable[..., Any]:
+        """``forward``, marking its outputs' dynamic ``dims`` while ``mark_outputs`` is set."""
+        dynamo = _compat.dynamo()
+
+        def marking(*args: Any) -> Any:
+            outputs = forward(*args)
+            if self.mark_outputs:
+                for i, marks in dims:
+                    value = outputs[i]
+                    if isinstance(value, torch.Tensor):
+                        dynamo.maybe_mark_dynamic(value, marks)
+                        self.marked.append(value)
+            return outputs
+
+        return marking
 
     def _config_for(self, gm: torch.fx.GraphModule) -> CompileConfig:
         """Listed sizes and ranges specialise one dynamic size; a graph with several
@@ -198,6 +222,24 @@ class GraphReceiver:
                 stacklevel=4,
             )
         return config.replace(compile_sizes=config.shapes, compile_ranges=())
+
+
+def _dynamic_output_dims(gm: torch.fx.GraphModule) -> list[tuple[int, list[int]]]:
+    """Each output of ``gm`` with dims of a symbolic size: (position, dims)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else ()
+    dims = []
+    for i, node in enumerate(returned):
+        value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+        if isinstance(value, torch.Tensor):
+            marks = [
+                d
+                for d, size in enumerate(value.shape)
+                if isinstance(size, torch.SymInt) and not _compat.is_constant_symint(size)
+            ]
+            if marks:
+                dims.append((i, marks))
+    return dims
 
 
 def graphs() -> tuple[GraphReport, ...]:

@@ -99,3 +99,41 @@ def test_the_report_shows_a_break_s_file_and_line_however_deep_its_path(monkeypa
     monkeypatch.chdir(tmp_path)
     assert short_source(f"{tmp_path}/src/model.py:7 in f") == "src/model.py:7 in f"
     assert short_source("<eval_with_key>.3:5 in forward") == "<eval_with_key>.3:5 in forward"
+
+
+class Checked(torch.nn.Module):
+    """A data-dependent ``raise`` (a graph break) between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if bool((h.abs() > 1e6).any()):
+            raise ValueError("overflow")
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_after_wait_ready_a_call_of_another_size_compiles_nothing_on_the_guarded_path(backend, tmp_path):
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    torch._dynamo.reset()
+    model = Checked().eval()
+    compiled = tessera.compile(model, backend=backend, cache_dir=str(tmp_path))
+    with torch.no_grad():
+        first = torch.randn(4, 16)
+        with pytest.warns(tessera.TesseraWarning, match="graph breaks"):
+            out = compiled(first)
+        torch.testing.assert_close(out, model(first))
+        assert compiled.wait_ready(60)
+        frames, graphs = dict(dynamo_counters["frames"]), len(tessera.receiver.graphs())
+        for n in (3, 5, 9, 17):
+            x = torch.randn(n, 16)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x))
+            # The frame resumed after the break was traced with the batch dynamic, as the first.
+            assert dict(dynamo_counters["frames"]) == frames, n
+            assert len(tessera.receiver.graphs()) == graphs, n
+            assert not any(name.startswith("_dynamo") for name in out.__dict__)  # no mark left

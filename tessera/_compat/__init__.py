@@ -357,6 +357,13 @@ def dim_marks_restored(tensors: list[torch.Tensor]) -> Iterator[None]:
                     delattr(tensor, name)
 
 
+def clear_dim_marks(tensors: list[torch.Tensor]) -> None:
+    """Take tessera's dim marks off tensors it marked for one call (checked as above)."""
+    for tensor in tensors:
+        for name in _DIM_MARKS:
+            tensor.__dict__.pop(name, None)
+
+
 def supports_dynamic_state() -> bool:
     """Whether ``torch.compiler.config.dynamic_sources`` (public) exists, which traces chosen ints as
     symbols. Checked on torch 2.11, 2.13: present on both; the check guards any other torch."""
