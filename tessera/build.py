@@ -63,6 +63,79 @@ from tessera.work import Job, PieceWork
 log = logging.getLogger(__name__)
 
 
+# What draws from a random generator in a Dynamo graph: torch's functions, and tensor methods.
+_RANDOM_FUNCTIONS = frozenset(
+    {
+        "rand",
+        "randn",
+        "randint",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+        "randperm",
+        "bernoulli",
+        "multinomial",
+        "normal",
+        "poisson",
+        "gumbel_softmax",
+    }
+)
+_RANDOM_METHODS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "bernoulli",
+        "bernoulli_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+        "random_",
+        "multinomial",
+    }
+)
+# Random only in training (their ``training`` argument, the third, True by default).
+_DROPOUTS = frozenset(
+    {"dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu"}
+)
+_said_random: set[str] = set()
+
+
+def random_calls(gm: torch.fx.GraphModule) -> list[str]:
+    """The calls of ``gm`` (a Dynamo graph) that draw random numbers, by name, once each."""
+    found: list[str] = []
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target))
+        if node.op == "call_function" and name in _DROPOUTS:
+            training = node.kwargs.get("training", node.kwargs.get("train", True))
+            if len(node.args) > 2:
+                training = node.args[2]
+            random = training is not False
+        elif node.op == "call_function":
+            random = name in _RANDOM_FUNCTIONS
+        else:
+            random = node.op == "call_method" and name in _RANDOM_METHODS
+        if random and name not in found:
+            found.append(name)
+    return found
+
+
+def _say_random_once(gm: torch.fx.GraphModule, prefix: str) -> None:
+    """Tell once per model that its random draws, compiled, are not eager's stream."""
+    calls = random_calls(gm)
+    if not calls or prefix in _said_random:
+        return
+    _said_random.add(prefix)
+    warnings.warn(
+        f"{prefix} draws random numbers ({', '.join(calls)}): compiled by Inductor they come from "
+        "Inductor's own generator, so they differ from eager's for the same seed (as under "
+        "torch.compile) and the global generator ends in another state. For eager's stream, pass "
+        "inductor_config={'fallback_random': True}",
+        TesseraWarning,
+        stacklevel=3,
+    )
+
+
 def from_trace(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -101,6 +174,8 @@ def from_trace(
                 TesseraWarning,
                 stacklevel=2,
             )
+    if compiler.name == "inductor" and not config.inductor_config.get("fallback_random"):
+        _say_random_once(gm, prefix)
     split_dump = dump_split_graph(split_gm, items)
     sources: list[SourceFile] = []
     entry = None

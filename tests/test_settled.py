@@ -197,3 +197,55 @@ def test_sliding_window_generation_equals_eager_in_two_processes(tmp_path, famil
         assert result["equal"] == [True] * 4, (process, result["equal"])
         assert result["warned"] == [], (process, result["warned"])
     assert result["counters"]["graphs_traced"] == 0, result["counters"]
+
+
+class Draws(torch.nn.Module):
+    """A forward that draws random numbers (and a dropout that, in eval, draws none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(x)) + torch.rand_like(x)
+
+
+def test_the_random_calls_of_a_graph_are_found_and_an_eval_dropout_is_not_one():
+    import torch.nn.functional as F
+
+    from tessera.build import random_calls
+
+    def draws(x: torch.Tensor, training: bool) -> torch.Tensor:
+        return F.dropout(x, 0.5, training) + torch.rand_like(x) + x.clone().uniform_()
+
+    def traced(training: bool) -> torch.fx.GraphModule:
+        return torch.fx.symbolic_trace(lambda x: draws(x, training))
+
+    assert random_calls(traced(False)) == ["rand_like", "uniform_"]
+    assert random_calls(traced(True)) == ["dropout", "rand_like", "uniform_"]
+    assert random_calls(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))) == []
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("eager_stream", [False, True])
+def test_random_ops_compiled_say_so_once_or_draw_eagers_stream_when_asked(tmp_path, eager_stream):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Draws().eval()
+    settings = {"fallback_random": True} if eager_stream else {}
+    compiled = tessera.compile(model, inductor_config=settings, cache_dir=str(tmp_path))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.randn(4, 8))
+        assert compiled.wait_ready(300)
+        for n in (4, 6, 9):  # a compiled size, and sizes the general artifact serves
+            x = torch.randn(n, 8)
+            torch.manual_seed(5)
+            ours, after = compiled(x), torch.rand(3)
+            torch.manual_seed(5)
+            eagers, eager_after = model(x), torch.rand(3)
+            assert torch.equal(ours, eagers) is eager_stream, n
+            assert torch.equal(after, eager_after) is eager_stream, n
+    said = [w for w in caught if "draws random numbers" in str(w.message)]
+    assert len(said) == (0 if eager_stream else 1), [str(w.message) for w in said]
+    assert all("fallback_random" in str(w.message) for w in said)
