@@ -87,10 +87,14 @@ def symbol_knowledge(values: Any) -> list[str]:
 
 # Each trace's shape env, with how many guards it held when its call check was made: what a later
 # compile adds to it is an assumption of that compile only (``compile_assumptions``).
+# Checked on torch 2.13: keys are private ``ShapeEnv`` objects (weakly referable); no public handle.
 _AT_TRACE: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _shape_env_of(values: Any) -> Any:
+    """The shape env of the first SymInt among ``values`` (fake tensors' sizes and strides, SymInts).
+
+    Checked on torch 2.13: private ``SymNode.shape_env``; no public accessor."""
     for value in values:
         sizes = (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,)
         for size in sizes:
@@ -114,7 +118,9 @@ def note_trace(values: Any) -> None:
 def guard_baseline(values: Any) -> int:
     """Where the guards a compile of a graph with inputs ``values`` adds begin: the trace's count
     where ``note_trace`` marked its shape env, else (a shape env made for one compile) the count
-    now. Taken before the compile, handed to ``compile_assumptions`` after it."""
+    now. Taken before the compile, handed to ``compile_assumptions`` after it.
+
+    Checked on torch 2.13: private ``ShapeEnv.guards``."""
     shape_env = _shape_env_of(values)
     if shape_env is None:
         return 0
