@@ -41,8 +41,8 @@ import torch
 
 import tessera
 from benchmarks import header
+from tessera.cli.timing import per_call_seconds
 from tessera.models import toy_llama
-from tessera.timing import per_call_seconds
 
 MODEL: dict[str, Any] = {
     "num_layers": 4,

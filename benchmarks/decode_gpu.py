@@ -13,8 +13,8 @@ import torch
 
 import tessera
 from benchmarks import header
+from tessera.cli.timing import per_call_seconds
 from tessera.models import toy_llama
-from tessera.timing import per_call_seconds
 
 BATCHES = (1, 8, 32, 128)
 

@@ -49,7 +49,7 @@ def child(family: str, impl: str) -> dict[str, Any]:
 
     import tessera
     from tessera import hf
-    from tessera.timing import per_call_seconds
+    from tessera.cli.timing import per_call_seconds
 
     model = _model(family)
 

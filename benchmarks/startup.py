@@ -117,7 +117,8 @@ def child_load_paths(entry: str) -> None:
     """
     import tempfile
 
-    from tessera import _compat, piece_file
+    from tessera import _compat
+    from tessera.compilation import piece_file
 
     start = time.perf_counter()
     files = [p.read_bytes() for p in sorted(Path(entry, "artifacts").glob("*.bin"))]

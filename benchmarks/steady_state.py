@@ -20,8 +20,8 @@ import torch
 
 import tessera
 from benchmarks import header
+from tessera.cli.timing import per_call_seconds
 from tessera.models import toy_llama
-from tessera.timing import per_call_seconds
 
 SIZES = (1, 16, 64)
 INDUCTOR_MODEL: dict[str, Any] = {
@@ -109,7 +109,7 @@ def _check_alone_us(compiled: Any) -> float:
     """The call check on its own: the same generated check in front of a call that does nothing."""
     import timeit
 
-    from tessera import call_check
+    from tessera.trace import call_check
 
     assert compiled.call_spec is not None, "compile first"
     passed = []

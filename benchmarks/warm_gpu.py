@@ -28,8 +28,8 @@ def child(impl: str, start: float) -> None:
     """The measured process: build, compile, first output, every capture size, then steps."""
     import torch
 
+    from tessera.cli.timing import per_call_seconds
     from tessera.models import toy_llama
-    from tessera.timing import per_call_seconds
 
     model = toy_llama.build_decode(
         dtype=torch.bfloat16, device="cuda", max_batch=max(CAPTURE_SIZES), max_len=64, **SIZES

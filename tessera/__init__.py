@@ -25,12 +25,12 @@ _EXPORTS = {
     "CompilerError": "tessera.errors",
     "ConfigError": "tessera.errors",
     "FallbackWarning": "tessera.errors",
-    "GradientsNotSupportedError": "tessera.call_check",
-    "InputMismatchError": "tessera.call_check",
-    "PieceRecord": "tessera.piece",
+    "GradientsNotSupportedError": "tessera.trace.call_check",
+    "InputMismatchError": "tessera.trace.call_check",
+    "PieceRecord": "tessera.compilation.piece",
     "SizeNotCompiledError": "tessera.errors",
     "SizeRange": "tessera.config",
-    "StateMismatchError": "tessera.call_check",
+    "StateMismatchError": "tessera.trace.call_check",
     "TesseraError": "tessera.errors",
     "TesseraWarning": "tessera.errors",
     "TraceLimitWarning": "tessera.errors",
@@ -40,7 +40,13 @@ _EXPORTS = {
     "compile": "tessera.api",
 }
 # Submodules reachable as attributes (``tessera.passes.DeduplicatePass``), imported on first use.
-_SUBMODULES = frozenset({"counters", "debug", "dynamo_backend", "hf", "passes"})
+_SUBMODULES = {
+    "counters": "tessera.counters",
+    "debug": "tessera.debug",
+    "dynamo_backend": "tessera.trace.dynamo_backend",
+    "hf": "tessera.hf",
+    "passes": "tessera.passes",
+}
 
 __all__ = [
     "ArtifactDamaged",
@@ -73,7 +79,7 @@ __all__ = [
 if TYPE_CHECKING:
     from tessera import counters, debug, passes
     from tessera.api import CompiledModel, compile
-    from tessera.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
+    from tessera.compilation.piece import PieceRecord
     from tessera.config import CompileConfig, SizeRange
     from tessera.errors import (
         ArtifactDamaged,
@@ -90,13 +96,13 @@ if TYPE_CHECKING:
         UnsupportedModelError,
         UntestedTorchWarning,
     )
-    from tessera.piece import PieceRecord
     from tessera.report import CompileReport
+    from tessera.trace.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        value = _imported(f"tessera.{name}")
+        value = _imported(_SUBMODULES[name])
         globals()[name] = value
         return value
     module = _EXPORTS.get(name)

@@ -21,27 +21,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessera import counters, hooks, validation
-from tessera.acyclic import weakly
-from tessera.beside import Beside, eager_first
+from tessera import counters, validation
 from tessera.cache.root import nothing_saved
-from tessera.compilers import check_backend, stock_backend
+from tessera.compilation.compilers import check_backend, stock_backend
 from tessera.config import CompileConfig, checked_config
 from tessera.errors import UnsupportedModelError, first_line
-from tessera.grad import as_inference, grad_tensors
 from tessera.lifecycle import Lifecycle, Stage
 from tessera.model_view import ModelView
-from tessera.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
+from tessera.serving.acyclic import weakly
+from tessera.trace import hooks
+from tessera.trace.beside import Beside, eager_first
+from tessera.trace.grad import as_inference, grad_tensors
+from tessera.trace.wrapper import DynamicDims, bind_arguments, entry_frame, split_callable
 
 # The traces, the compile and the report are imported where first used: a cold first call is
 # served eagerly before any of them is needed, and its trace thread imports them (_first_beside).
 if TYPE_CHECKING:
-    from tessera.assumption import Mismatch
-    from tessera.beside import Tracer
     from tessera.report import CompileReport, GuardedGraph
-    from tessera.split_model import SplitModel
-    from tessera.trace_entry import TraceEntry
-    from tessera.traces import Traces
+    from tessera.serving.split_model import SplitModel
+    from tessera.trace.assumption import Mismatch
+    from tessera.trace.beside import Tracer
+    from tessera.trace.trace_entry import TraceEntry
+    from tessera.trace.traces import Traces
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ class CompiledModel(ModelView):
         if self._guarded_reason is not None:  # found by the trace made beside eager
             return self._start_guarded(args, kwargs, values, self._guarded_reason)
         if mode == "stock":
-            from tessera.wrapper import choose_dynamic_dims, mark_dynamic
+            from tessera.trace.wrapper import choose_dynamic_dims, mark_dynamic
 
             mark_dynamic(values, choose_dynamic_dims(self._func, values, self._dynamic_dims))
             compiled = torch.compile(self.model, backend=stock_backend(self.compile_config.backend))
@@ -357,7 +358,7 @@ class CompiledModel(ModelView):
         except UnsupportedModelError as e:
             if self.compile_config.fullgraph or e.dynamo_error is None:
                 raise
-            from tessera.guarded import record_guarded
+            from tessera.trace.guarded import record_guarded
 
             record_guarded(self._traces.context if self._traces is not None else None, self.name, str(e))
             return self._start_guarded(args, kwargs, values, str(e))
@@ -446,7 +447,7 @@ class CompiledModel(ModelView):
         traces = self._traces
         first = self._life.stage is Stage.EAGER
         if first and isinstance(error, UnsupportedModelError) and error.dynamo_error is not None:
-            from tessera.guarded import record_guarded
+            from tessera.trace.guarded import record_guarded
 
             record_guarded(traces.context if traces is not None else None, self.name, str(error))
             self._guarded_next(str(error))
@@ -467,8 +468,8 @@ class CompiledModel(ModelView):
         return self._module if self._module is not None else self._bound_to
 
     def _make_traces(self) -> Traces:
-        from tessera.trace_entry import Model, TraceContext
-        from tessera.traces import Traces
+        from tessera.trace.trace_entry import Model, TraceContext
+        from tessera.trace.traces import Traces
 
         config = self.compile_config
         context = TraceContext.open(
@@ -501,7 +502,7 @@ class CompiledModel(ModelView):
         if built is not None and built[0] is entry:  # built once per entry: a switch back is cheap
             self._move(call=built[1], spec=entry.spec)
             return
-        from tessera import call_check
+        from tessera.trace import call_check
 
         checked = (
             call_check.make_checked_call(entry.spec, entry.fast, traces.slow, entry.bound)
@@ -519,7 +520,7 @@ class CompiledModel(ModelView):
     def _start_guarded(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], values: dict[str, Any], reason: str
     ) -> tuple[Any, Callable[..., Any]]:
-        from tessera.guarded import start_guarded
+        from tessera.trace.guarded import start_guarded
 
         assert self._traces is not None
         choice = self._traces.choose(values)

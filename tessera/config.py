@@ -13,10 +13,16 @@ from typing import Any
 
 from tessera import validation as v
 from tessera.errors import ConfigError
-from tessera.learn import DEFAULT_LIMIT, DEFAULT_SHARE, Counted
-from tessera.priority import PRIORITIES
 
 MODES = ("none", "stock", "trace_once", "piecewise")
+PRIORITIES = ("low", "idle", "normal")  # CompileConfig.background_priority (compilation/priority.py)
+# Sizes learnt from traffic (compilation="auto", serving/learn.py): a size's share of recent calls
+# to be learnt, and how many a trace learns by default (CompileConfig.auto_sizes).
+DEFAULT_SHARE = 0.05
+DEFAULT_LIMIT = 8
+# A call's size as it is counted and learnt: one value, or one per dynamic size of pieces that have
+# several (batch x length: a shape, compiled as config.Shape).
+Counted = int | tuple[int, ...]
 BUILTIN_BACKENDS = ("inductor", "eager")
 # Backends tessera once named and no longer serves, with what to use instead.
 RETIRED_BACKENDS = {
@@ -382,3 +388,9 @@ def checked_config(
     if config.backend == "inductor" or config.mode == "stock":
         v.check_inductor_keys(config.inductor_config)
     return config
+
+
+def by_size(row: tuple[Counted, str, int]) -> tuple[tuple[int, ...], str]:
+    """The order of a histogram's rows: by size (a shape by its values), then label."""
+    size = row[0]
+    return (size if isinstance(size, tuple) else (size,), row[1])

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tessera import call_check
+    from tessera.trace import call_check
 
 
 class Stage(enum.Enum):

@@ -16,13 +16,13 @@ import torch
 from tessera.lifecycle import Lifecycle, Stage
 
 if TYPE_CHECKING:
-    from tessera import call_check
-    from tessera.piece import PieceRecord
+    from tessera.compilation.piece import PieceRecord
     from tessera.report import GuardedGraph
-    from tessera.split_model import SplitModel
-    from tessera.trace_entry import TraceEntry
-    from tessera.traces import Traces
-    from tessera.wrapper import DynamicDims
+    from tessera.serving.split_model import SplitModel
+    from tessera.trace import call_check
+    from tessera.trace.trace_entry import TraceEntry
+    from tessera.trace.traces import Traces
+    from tessera.trace.wrapper import DynamicDims
 
 
 class ModelView:

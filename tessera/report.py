@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tessera.config import CompileConfig, size_label
-from tessera.learn import Counted, by_size
+from tessera.config import CompileConfig, Counted, by_size, size_label
 
 log = logging.getLogger(__name__)
 

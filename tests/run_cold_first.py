@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 import tessera
-from tessera import background, counters
+from tessera import counters
+from tessera.compilation import background
 from tessera.models import toy_llama
 
 

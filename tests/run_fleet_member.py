@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import tessera
-import tessera.compilers
+import tessera.compilation.compilers
 from tessera.models import toy_llama
 
 
@@ -76,7 +76,10 @@ def main() -> int:
         while not (barrier / "go").exists():  # a start barrier, so all replicas race for real
             time.sleep(0.01)
     if args.hold:
-        compiler = {"eager": tessera.compilers.EagerCompiler, "inductor": tessera.compilers.InductorCompiler}
+        compiler = {
+            "eager": tessera.compilation.compilers.EagerCompiler,
+            "inductor": tessera.compilation.compilers.InductorCompiler,
+        }
         cls = compiler[args.backend]
         cls.compile = _held(cls.compile, Path(args.hold))  # type: ignore[method-assign]
         if hasattr(cls, "job"):  # a compile sent to a worker is held as it is sent, in the lease

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 import tessera
-from tessera import learn, pieces as pieces_module
+from tessera import config
 from tessera.cache.key import config_record
 from tessera.cli.picture import render_html
 from tessera.config import CompileConfig
 from tessera.errors import ConfigError
 from tessera.models import toy_llama
+from tessera.serving import learn, pieces as pieces_module
 from tests.child import run_json
 from tests.test_cudagraph_logic import StandInGraphs
 
@@ -27,13 +28,13 @@ from tests.test_cudagraph_logic import StandInGraphs
 # -- configuration --------------------------------------------------------------------------------
 def test_auto_alone_or_beside_listed_sizes(monkeypatch):
     assert CompileConfig(compile_sizes="auto").sizes == ()
-    assert CompileConfig(compile_sizes="auto").auto_sizes == learn.DEFAULT_LIMIT
+    assert CompileConfig(compile_sizes="auto").auto_sizes == config.DEFAULT_LIMIT
     both = CompileConfig(compile_sizes=[1, 8, "auto"], auto_sizes=3)
     assert (both.sizes, both.auto_sizes) == ((1, 8), 3)
     assert CompileConfig(compile_sizes=[1, 8]).auto_sizes == 0
     monkeypatch.setenv("TESSERA_COMPILE_SIZES", "2,auto")
     from_env = CompileConfig()
-    assert (from_env.sizes, from_env.auto_sizes) == ((2,), learn.DEFAULT_LIMIT)
+    assert (from_env.sizes, from_env.auto_sizes) == ((2,), config.DEFAULT_LIMIT)
     # "auto" changes no artifact's code: the same cache key as the listed sizes alone.
     assert config_record(from_env) == config_record(CompileConfig(compile_sizes=[2]))
 

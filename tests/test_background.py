@@ -170,7 +170,7 @@ def test_a_failed_background_compile_is_said_once_and_the_general_artifacts_keep
     gated.gate.set()
     gated.general_gate.set()
     model, compiled = gated_model(1, compile_sizes=[8])
-    with caplog.at_level(logging.WARNING, logger="tessera.schedule"):
+    with caplog.at_level(logging.WARNING, logger="tessera.serving.schedule"):
         args = toy_llama.example_inputs(8)
         torch.testing.assert_close(compiled(*args), model(*args))
         assert compiled.wait_ready(60)
@@ -225,9 +225,9 @@ def test_inductor_in_the_background_equals_eager_and_the_next_process_starts_war
 def test_pieces_serve_as_traced_with_a_remote_tier_too():
     # With a fleet's shared store the compile turn is the background compile's (one replica
     # compiles, the others serve as traced meanwhile and load): tests/test_object_store.py runs it.
-    from tessera.build import serves_traced
-    from tessera.compilers import make_compiler
-    from tessera.split_model import SplitModel
+    from tessera.compilation.compilers import make_compiler
+    from tessera.serving.build import serves_traced
+    from tessera.serving.split_model import SplitModel
 
     config = tessera.CompileConfig(backend="inductor", background_compile=True)
     alone = SplitModel(config, make_compiler("inductor"), None, "m", serve_traced=True)

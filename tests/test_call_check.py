@@ -419,7 +419,7 @@ def test_compile_sizes_that_cannot_work_are_config_errors_and_sizes_of_another_k
 
 
 def test_a_compile_size_whose_inputs_exceed_memory_is_a_config_error(monkeypatch):
-    from tessera import piece
+    from tessera.compilation import piece
 
     monkeypatch.setattr(piece, "device_memory", lambda device: 1024)
     compiled = tessera.compile(cat_then_attention, backend="eager", compile_sizes=[4096], disable_cache=True)
@@ -515,7 +515,7 @@ def test_a_model_output_argument_of_another_length_is_refused_clearly():
 
 
 def test_layout_density_without_private_apis():
-    from tessera.layout import is_dense
+    from tessera.compilation.layout import is_dense
 
     x = torch.randn(4, 3, 2)
     assert is_dense(x) and is_dense(x.permute(2, 0, 1)) and is_dense(x[:1]) and is_dense(x[:0])
@@ -547,7 +547,7 @@ def mix(x: torch.Tensor, y: torch.Tensor, alpha: float = 1.0, beta: float = 0.0)
 
 def counting_rewrites(monkeypatch) -> list[tuple[int, tuple[str, ...]]]:
     """Each call shape ``call_args.rewrite`` works out, in order (the routing reads it by name)."""
-    from tessera import call_args
+    from tessera.trace import call_args
 
     made: list[tuple[int, tuple[str, ...]]] = []
     real = call_args.rewrite
@@ -645,7 +645,7 @@ def test_an_argument_the_trace_saw_left_to_its_default_is_checked_when_passed():
 def test_call_shapes_are_bounded_and_read_from_many_threads():
     from concurrent.futures import ThreadPoolExecutor
 
-    from tessera import call_args, call_shapes
+    from tessera.trace import call_args, call_shapes
 
     routes: call_shapes.ShapeRoutes[Any] = call_shapes.ShapeRoutes(limit=4)
     entry = types.SimpleNamespace(accepts=lambda args, kwargs: True)
@@ -669,7 +669,7 @@ def test_call_shapes_are_bounded_and_read_from_many_threads():
 
 
 def test_calls_found_uncovered_are_known_by_their_look_for_one_set_of_entries():
-    from tessera import call_shapes
+    from tessera.trace import call_shapes
 
     uncovered: call_shapes.UncoveredCalls[Any] = call_shapes.UncoveredCalls(limit=3)
     entries, later = (object(),), (object(), object())
@@ -697,7 +697,7 @@ def test_calls_found_uncovered_are_known_by_their_look_for_one_set_of_entries():
 def test_the_check_compares_the_calls_arguments_before_the_models_values():
     """A call of another size fails at its arguments' tuple: the model's hundreds of values (a
     Hugging Face config's) are not read for a call no entry covers."""
-    from tessera import call_check
+    from tessera.trace import call_check
 
     class Config:
         scale = 2.0

@@ -486,9 +486,9 @@ def test_dynamos_clean_up_hooks_for_tesseras_entry_frames_are_dropped_and_others
         hooks = utils.CleanupManager.instance.values.values()
         return {hook.scope.get("__name__") for some in hooks for hook in some}
 
-    assert {"tessera.wrapper", __name__} <= scopes()
-    _compat.keep_dynamo_names_at_exit("tessera.wrapper")
-    assert "tessera.wrapper" not in scopes() and __name__ in scopes()
+    assert {"tessera.trace.wrapper", __name__} <= scopes()
+    _compat.keep_dynamo_names_at_exit("tessera.trace.wrapper")
+    assert "tessera.trace.wrapper" not in scopes() and __name__ in scopes()
 
 
 # -- the supported range -----------------------------------------------------------------------------
@@ -573,7 +573,7 @@ def test_a_background_thread_finds_the_device_guard_set_by_the_thread_that_start
     # the no-op CUDA device guard (FakeTensorMode.__enter__): the starting thread sets it first.
     import threading
 
-    from tessera.background import start_thread
+    from tessera.compilation.background import start_thread
 
     calls: list[int] = []
     monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", lambda: calls.append(threading.get_ident()))

@@ -15,8 +15,8 @@ import torch
 
 import tessera
 from tessera import _compat
-from tessera.beside import Beside
-from tessera.compile_state import COMPILE_LOCK
+from tessera.compilation.compile_state import COMPILE_LOCK
+from tessera.trace.beside import Beside
 
 
 def _mlp(width: int) -> torch.nn.Module:
@@ -197,7 +197,7 @@ def test_a_background_compile_held_back_while_it_runs_stops_counting_as_ahead():
     # (the next trace widened it), its own jobs would wait for that count, that is for itself.
     from types import SimpleNamespace
 
-    from tessera.schedule import Background
+    from tessera.serving.schedule import Background
 
     background = Background(SimpleNamespace(prefix="model"), before_ready=lambda: None)
     with background._ahead_of_held():

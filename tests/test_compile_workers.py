@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import tessera
-from tessera import compile_pool, counters
-from tessera.compile_jobs import JobDone, JobFailed, PieceJob, TensorSpec
-from tessera.compile_pool import CompilePool, Reply
+from tessera import counters
+from tessera.compilation import compile_pool
+from tessera.compilation.compile_jobs import JobDone, JobFailed, PieceJob, TensorSpec
+from tessera.compilation.compile_pool import CompilePool, Reply
 from tessera.models import toy_llama
 
 FAKE_PID = 4242
@@ -83,7 +84,8 @@ def fake_workers(monkeypatch):
     cls.FakePool.jobs = []
     cls.FakePool.graphs = {}
     monkeypatch.setattr(
-        "tessera.compile_pool.shared_pool", lambda count, priority: cls.FakePool() if count else None
+        "tessera.compilation.compile_pool.shared_pool",
+        lambda count, priority: cls.FakePool() if count else None,
     )
     return cls  # the module tessera loads the compiler from (pytest may import this file apart)
 
@@ -165,7 +167,7 @@ def test_a_failed_worker_is_said_once_and_the_piece_compiles_here(fake_workers, 
 def test_a_learnt_size_compiles_in_the_workers_which_the_learning_starts(fake_workers):
     # Up front, no static size listed: the build starts no worker. The learning starts them at its
     # first learnt size and sends every distinct piece there, off this process's GIL.
-    from tessera import learn
+    from tessera.serving import learn
 
     model = toy_llama.build(num_layers=2)
     compiled = tessera.compile(
@@ -223,7 +225,7 @@ def _piece() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
 
 
 def _code(path: Path) -> str:
-    from tessera import piece_file
+    from tessera.compilation import piece_file
 
     piece = piece_file.PieceFile.from_bytes(path.read_bytes())
     assert piece.direct is not None
@@ -233,7 +235,7 @@ def _code(path: Path) -> str:
 
 @pytest.mark.inductor
 def test_a_worker_writes_the_piece_file_a_compile_here_would(tmp_path):
-    from tessera.compilers import InductorCompiler
+    from tessera.compilation.compilers import InductorCompiler
 
     graph, inputs = _piece()
     config = tessera.CompileConfig(backend="inductor")
@@ -334,7 +336,7 @@ def test_a_worker_that_hangs_on_a_job_is_stopped_and_the_job_fails(monkeypatch, 
     # A compiler stuck for good (a deadlock, a C++ compile that never ends): past the job's
     # deadline the worker is stopped and the job fails, so the caller compiles the piece itself
     # and a new worker takes the next job; nothing waits forever.
-    from tessera import compile_pool
+    from tessera.compilation import compile_pool
 
     hangs = tmp_path / "hangs"  # says READY as a worker does, then never answers
     ready = f"import pickle, struct, sys, time; p = pickle.dumps({compile_pool.READY!r}); "
@@ -351,7 +353,7 @@ def test_a_worker_that_hangs_on_a_job_is_stopped_and_the_job_fails(monkeypatch, 
 
 
 def test_a_forked_child_starts_its_own_pool(monkeypatch):
-    from tessera import compile_pool
+    from tessera.compilation import compile_pool
 
     monkeypatch.setitem(compile_pool._pools, "shared", object())  # type: ignore[arg-type]
     pid = os.fork()

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tessera import piece_file
-from tessera.compilers import InductorCompiler
+from tessera.compilation import piece_file
+from tessera.compilation.compilers import InductorCompiler
 
 # A piece's direct code without kernels: Inductor's wrapper shape, loadable without Inductor.
 WRAPPER = "def call(args):\n    (x,) = args\n    return (x + 1,)\n"

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import tessera
-from tessera import cudagraph, pieces as pieces_module
-from tessera.cudagraph import CUDAGraphError, CUDAGraphPiece, padded_size
+from tessera.compilation.piece import DynamicInputs, SizeSource
 from tessera.models import toy_llama
-from tessera.piece import DynamicInputs, SizeSource
+from tessera.serving import cudagraph, pieces as pieces_module
+from tessera.serving.cudagraph import CUDAGraphError, CUDAGraphPiece, padded_size
 
 
 def _flat(value):
@@ -108,7 +108,7 @@ def test_cudagraph_mode_without_cuda_warns_once_and_runs_without_graphs(caplog, 
     monkeypatch.setattr(cudagraph, "_warned", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine runs this test too
     model = toy_llama.build(num_layers=1)
-    with caplog.at_level(logging.WARNING, logger="tessera.cudagraph"):
+    with caplog.at_level(logging.WARNING, logger="tessera.serving.cudagraph"):
         for _ in range(2):
             compiled = tessera.compile(model, backend="eager", cudagraph_mode="piecewise")
             ids, pos = toy_llama.example_inputs(5)

@@ -85,7 +85,7 @@ def test_piped_it_logs_one_line_per_piece_and_progress_0_shows_nothing(tmp_path)
         text=True,
         check=True,
     )
-    lines = [line for line in piped.stderr.splitlines() if "tessera.progress" in line]
+    lines = [line for line in piped.stderr.splitlines() if "tessera.debug.progress" in line]
     assert len(lines) == 3 and all("done" in line for line in lines), piped.stderr[-2000:]
     assert "━" not in piped.stderr
     (tmp_path / "q").mkdir()

@@ -88,10 +88,10 @@ def test_the_trace_sees_the_first_call_as_it_was_not_as_the_caller_changed_it_af
 # What a cold first call must not wait for: the traces, the compile, the cache's entries and the
 # report, each imported (about 70 ms on a 2-core CPU) by the trace thread after eager answered.
 MACHINERY = (
-    "tessera.traces",
-    "tessera.split_model",
+    "tessera.trace.traces",
+    "tessera.serving.split_model",
     "tessera.report",
-    "tessera.inductor_compiler",
+    "tessera.compilation.inductor_compiler",
     "tessera.cache.entry",
 )
 
@@ -168,7 +168,7 @@ def test_grad_enabled_calls_are_served_under_the_grad_policy_while_eager():
 
 
 def test_a_model_whose_trace_fails_keeps_serving_eagerly_with_one_warning(monkeypatch, caplog):
-    from tessera import traces
+    from tessera.trace import traces
 
     def refuse(*args, **kwargs):
         raise tessera.UnsupportedArgumentError("tessera cannot take argument 'x' (a test)")
@@ -290,7 +290,7 @@ class Flag(torch.nn.Module):
 
 
 def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkeypatch, tmp_path):
-    from tessera import traces
+    from tessera.trace import traces
 
     gate = threading.Event()
     original = traces.trace_once
@@ -327,7 +327,7 @@ def test_calls_missed_while_a_trace_is_made_are_traced_after_it_and_saved(monkey
 def test_a_call_found_uncovered_while_a_trace_is_made_is_served_eagerly_without_the_search(monkeypatch):
     """Calls like one no entry covered go to eager at once while the trace is in flight; a call
     an entry covers is still served by it, and once the trace lands it serves the rest."""
-    from tessera import traces
+    from tessera.trace import traces
 
     gate, original = threading.Event(), traces.trace_once
     searches: list[int] = []
@@ -404,7 +404,7 @@ def test_a_first_call_eager_rejects_raises_eagers_error_and_leaves_no_trace_behi
 
 
 def test_the_bytes_a_kept_call_would_copy_are_counted_through_containers_and_objects():
-    from tessera.beside import tensor_bytes
+    from tessera.trace.beside import tensor_bytes
 
     class Cache:  # as a Hugging Face cache holds its layers
         def __init__(self) -> None:

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import tessera
-from tessera import _compat, call_check
+from tessera import _compat
 from tessera.cache.blobstore import fault, fault_summary, warn_fault
 from tessera.errors import CacheWarning, TesseraError, UnsupportedArgumentError, UnsupportedModelError
+from tessera.trace import call_check
 from tests.child import ROOT, child_env
 
 EAGER_SHAPES = "mat1 and mat2 shapes cannot be multiplied"

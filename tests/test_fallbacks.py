@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import tessera
-from tessera import errors, warm as warm_module
+from tessera import errors
 from tessera.cache import index
 from tessera.cache.entry import INDEX, CacheDamagedWarning
 from tessera.models import toy_llama
+from tessera.trace import warm as warm_module
 from tests.custom_compiler import SavingCompiler
 
 SAVING = "tests.custom_compiler:SavingCompiler"
@@ -165,8 +166,8 @@ def test_a_retired_backend_in_the_environment_names_the_variable(monkeypatch):
 
 
 def test_a_call_outside_what_the_compile_assumed_runs_the_piece_as_traced_quietly():
-    from tessera.inductor_compiler import GuardedCode
-    from tessera.piece import PieceRunner
+    from tessera.compilation.inductor_compiler import GuardedCode
+    from tessera.compilation.piece import PieceRunner
 
     def compiled(x: torch.Tensor) -> torch.Tensor:  # code right only where dim 1 is 14
         assert x.shape[1] == 14

@@ -616,7 +616,7 @@ def test_taking_from_a_sibling_rank_skips_files_that_are_gone(tmp_path):
 
 
 def test_sizes_one_replica_learnt_are_served_by_a_replica_with_an_empty_local_cache(tmp_path, redis_server):
-    from tessera import learn
+    from tessera.serving import learn
 
     first = _compile_and_check(tmp_path / "first", redis_server.url, compile_sizes="auto")
     ids, pos = toy_llama.example_inputs(3)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import tessera
-from tessera.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
 from tessera.models import toy_llama
+from tessera.trace.call_check import GradientsNotSupportedError, InputMismatchError, StateMismatchError
 from tests.child import run_json
 
 SIZES = (3, 8, 5, 17)  # 8 is a compile size below; the others are not

@@ -128,12 +128,12 @@ def test_after_wait_ready_a_call_of_another_size_compiles_nothing_on_the_guarded
             out = compiled(first)
         torch.testing.assert_close(out, model(first))
         assert compiled.wait_ready(60)
-        frames, graphs = dict(dynamo_counters["frames"]), len(tessera.receiver.graphs())
+        frames, graphs = dict(dynamo_counters["frames"]), len(tessera.trace.receiver.graphs())
         for n in (3, 5, 9, 17):
             x = torch.randn(n, 16)
             out = compiled(x)
             torch.testing.assert_close(out, model(x))
             # The frame resumed after the break was traced with the batch dynamic, as the first.
             assert dict(dynamo_counters["frames"]) == frames, n
-            assert len(tessera.receiver.graphs()) == graphs, n
+            assert len(tessera.trace.receiver.graphs()) == graphs, n
             assert not any(name.startswith("_dynamo") for name in out.__dict__)  # no mark left

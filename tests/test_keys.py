@@ -13,7 +13,7 @@ import tessera
 from tessera.cache.entry import FACTORS, CacheEntry
 from tessera.cache.explain import explain
 from tessera.cache.key import KeyRecord, config_record, fingerprint_record, machine_key
-from tessera.compilers import EagerCompiler, InductorCompiler
+from tessera.compilation.compilers import EagerCompiler, InductorCompiler
 from tessera.config import CompileConfig
 from tessera.models import toy_llama
 

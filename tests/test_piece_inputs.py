@@ -1,4 +1,4 @@
-"""A piece's inputs as saved for a later compile (tessera.piece_inputs): what a warm process makes
+"""A piece's inputs as saved for a later compile (tessera.compilation.piece_inputs): what a warm process makes
 its example inputs from when it learns a size."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import tessera
+from tessera.compilation.piece_inputs import SavedInput, SavedInputs, inputs_at
 from tessera.config import Shape
 from tessera.errors import ConfigError
-from tessera.piece_inputs import SavedInput, SavedInputs, inputs_at
 
 
 class Rows(torch.nn.Module):
@@ -60,7 +60,7 @@ def test_a_shape_needs_one_value_per_size_symbol():
 
 
 def test_a_calls_own_weight_is_given_to_the_compile_and_a_size_that_cannot_fit_is_refused(monkeypatch):
-    from tessera import piece_inputs
+    from tessera.compilation import piece_inputs
 
     saved = SavedInputs(
         (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tessera
-from tessera import priority
+from tessera.compilation import priority
 from tessera.errors import ConfigError
 from tessera.models import toy_llama
 from tests.custom_compiler import PriorityRecordingCompiler

@@ -21,9 +21,9 @@ import torch
 import tessera
 from tessera.cache.entry import MODEL, CacheDamagedWarning
 from tessera.cache.tools import clear, find_entries, prune, stray_temp_files, verify
-from tessera.call_check import InputMismatchError
 from tessera.errors import CacheWarning, TesseraWarning
 from tessera.models import toy_llama
+from tessera.trace.call_check import InputMismatchError
 from tests.child import run_module
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -291,7 +291,7 @@ def test_disk_full_while_saving_pieces_runs_from_memory_and_leaves_nothing(tmp_p
 
 
 def test_disk_full_while_saving_the_whole_model_artifact(tmp_path, monkeypatch):
-    from tessera.cache import artifact
+    from tessera.trace import model_artifact as artifact
 
     real = artifact.dumps
     monkeypatch.setattr(artifact, "dumps", lambda saved: real(saved) + b"\0" * (2 << 20))  # 2 MiB more

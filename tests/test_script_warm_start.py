@@ -19,10 +19,9 @@ import pytest
 import torch
 
 import tessera
-from tessera import portable
-from tessera.cache import artifact
 from tessera.cache.entry import CacheEntry
 from tessera.cache.refusal import Refused
+from tessera.trace import model_artifact as artifact, portable
 from tests.child import child_env
 
 SCRIPT = '''

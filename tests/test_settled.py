@@ -213,7 +213,7 @@ class Draws(torch.nn.Module):
 def test_the_random_calls_of_a_graph_are_found_and_an_eval_dropout_is_not_one():
     import torch.nn.functional as F
 
-    from tessera.build import random_calls
+    from tessera.serving.build import random_calls
 
     def draws(x: torch.Tensor, training: bool) -> torch.Tensor:
         return F.dropout(x, 0.5, training) + torch.rand_like(x) + x.clone().uniform_()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tessera
 from tessera import _compat
-from tessera.split import split_graph
+from tessera.compilation.split import split_graph
 from tests.conftest import silly_model
 
 
@@ -135,8 +135,8 @@ def test_unknown_splitting_op_spec_is_a_config_error():
 
 
 def test_layout_keeper_copies_outputs_into_the_traced_strides():
-    from tessera.layout import LayoutKeeper, OutputLayout
-    from tessera.piece import SizeSource
+    from tessera.compilation.layout import LayoutKeeper, OutputLayout
+    from tessera.compilation.piece import SizeSource
 
     # Traced as a [s, 4] tensor with column-major strides (1, s); the real op returns row-major.
     layout = OutputLayout(strides=(((1,), (1, 0)),), size_source=SizeSource(1))  # strides (1, s)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tessera import _compat
-from tessera.compile_jobs import example_inputs
-from tessera.inductor_compiler import InductorCompiler
-from tessera.symbolic_inputs import SymbolicInputs, SymbolicInt, SymbolSpec, describe, rebuild
+from tessera.compilation.compile_jobs import example_inputs
+from tessera.compilation.inductor_compiler import InductorCompiler
+from tessera.compilation.symbolic_inputs import SymbolicInputs, SymbolicInt, SymbolSpec, describe, rebuild
 
 
 def _traced(

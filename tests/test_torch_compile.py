@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.dynamo_backend import backend_config
+from tessera.trace.dynamo_backend import backend_config
 from tests.child import run_json
 from tests.run_torch_compile import Attention, Branches
 

@@ -116,8 +116,8 @@ def test_warm_start_with_the_eager_compiler_skips_dynamo():
 
 
 def test_identical_attention_layers_are_one_source_in_the_whole_model_artifact():
-    from tessera.cache import artifact
     from tessera.cache.entry import CacheEntry
+    from tessera.trace import model_artifact as artifact
 
     model = toy_llama.build(num_layers=4)
     cold = _compile_and_check(model)
@@ -198,7 +198,7 @@ def test_a_changed_source_file_falls_back_to_one_trace_and_says_why(tmp_path, mo
     source.write_text(textwrap.dedent(MODEL_SOURCE.format(bias=2)))
     tessera.counters.reset()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="tessera.warm"):
+    with caplog.at_level(logging.INFO, logger="tessera.trace.warm"):
         compiled = tessera.compile(model, backend="eager")
         torch.testing.assert_close(compiled(x), model(x))
     assert tessera.counters.snapshot()["graphs_traced"] == 1
@@ -229,8 +229,8 @@ def test_a_warm_start_that_fails_halfway_leaves_a_clean_trace(caplog):
 @pytest.mark.inductor
 def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
     """GPU pieces (and any piece AOTAutograd wraps) have no direct code: Inductor's loader serves."""
-    from tessera import piece_file
-    from tessera.compilers import InductorCompiler
+    from tessera.compilation import piece_file
+    from tessera.compilation.compilers import InductorCompiler
 
     def fn(x, w):
         return ((x @ w).relu() * 3,)
@@ -264,7 +264,7 @@ def test_piece_file_without_direct_code_loads_through_inductor(tmp_path):
 
 def test_recorded_isa_probe_is_trusted_only_when_the_cpu_flags_agree(tmp_path):
     from tessera import _compat
-    from tessera.compilers import InductorCompiler
+    from tessera.compilation.compilers import InductorCompiler
 
     candidates = _compat.vec_isa_candidates()
     compiler = InductorCompiler()
@@ -284,7 +284,7 @@ def test_recorded_isa_probe_is_trusted_only_when_the_cpu_flags_agree(tmp_path):
 def _direct(source: str, code: bytes | None = None, bytecode: str | None = None) -> Any:
     import marshal
 
-    from tessera import piece_file
+    from tessera.compilation import piece_file
 
     compiled = marshal.dumps(compile(source, "<tessera piece>", "exec")) if code is None else code
     return piece_file.DirectCode(
@@ -303,7 +303,7 @@ def test_a_piece_loads_the_wrapper_code_compiled_with_it_and_compiles_only_what_
     compiled is stored with it and loaded instead, where this interpreter's bytecode is its own."""
     import traceback
 
-    from tessera import piece_file
+    from tessera.compilation import piece_file
 
     source = (
         "def call(args):\n"

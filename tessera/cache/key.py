@@ -41,11 +41,12 @@ CODE_ENV_VARS = (
     "TESSERA_CUDAGRAPH_MODE",
     "TESSERA_CUDAGRAPH_CAPTURE_SIZES",
 )
+# 10: the whole-model artifact moved to format 12 (its records' modules moved into stage folders);
 # 9: the calls left out (one pointer lists every trace of a model); 8 and 7: the whole-model
 # artifact moved to formats 8 and 7 (old pointers are a clean miss, not a
 # fallback); 6: values of objects the model holds, the attention implementation; 5: the full call
 # state
-FINGERPRINT_FORMAT = 9
+FINGERPRINT_FORMAT = 10
 # 4: the symbols' ranges and guards (a piece compiled under other ranges is other code)
 PIECE_CONTENT_FORMAT = 4
 _TORCH_DIR = str(Path(torch.__file__).parent)

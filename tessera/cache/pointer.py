@@ -14,8 +14,7 @@ from typing import Any
 from tessera.cache.entry import atomic_write, report_damage
 from tessera.cache.refusal import Refused
 from tessera.cache.root import WARM_DIR
-from tessera.config import counted_of
-from tessera.learn import Counted
+from tessera.config import Counted, counted_of
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from tessera.cache.blobstore import (
 from tessera.cache.download import Downloaded, staged_blobs
 from tessera.cache.entry import INDEX, MODEL, atomic_write, read_index, sha256_file
 from tessera.cache.index import FileRecord, Index, IndexKey, check_relative, parse
-from tessera.learn import Counted
+from tessera.config import Counted
 from tessera.validation import env_seconds
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ import time
 import torch
 
 import tessera
+from tessera.cli.timing import per_call_seconds
 from tessera.lifecycle import Stage
 from tessera.models import toy_llama
-from tessera.timing import per_call_seconds
 
 COMPILE_SIZES = [1, 16]
 CHECK_SIZES = [1, 5, 16, 23, 64]  # 5, 23 and 64 are not compile sizes
@@ -33,7 +33,7 @@ def run_demo(layers: int = 4, hidden: int = 256, backend: str = "inductor") -> i
     ids, pos = toy_llama.example_inputs(8)
     print(f"  first call (compile sizes {COMPILE_SIZES} + general)...", flush=True)
     start = time.perf_counter()
-    with torch.no_grad():  # a progress bar on a terminal (tessera.progress)
+    with torch.no_grad():  # a progress bar on a terminal (tessera.debug.progress)
         compiled(ids, pos)
     first = time.perf_counter() - start
     if compiled.stage is Stage.EAGER:  # cold: eager answered, the trace is made beside it
