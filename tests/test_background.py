@@ -304,7 +304,7 @@ def test_no_background_thread_starts_once_the_process_exits_and_a_running_one_is
     # (background.CLOSING) before the interpreter joins it.
     script = """
 import threading
-from tessera import background
+from tessera.compilation import background
 ran = []
 def worker():
     background.CLOSING.wait()

@@ -30,7 +30,7 @@ def _nice() -> int:
 def _lowered_in_child(setting: str, refuse_idle: bool = False) -> tuple[bool, int, int]:
     script = f"""
 import os
-from tessera import priority
+from tessera.compilation import priority
 if {refuse_idle}:
     def refuse(*args):
         raise PermissionError(1, "Operation not permitted")
