@@ -65,7 +65,7 @@ def main() -> int:
 
     report["counters"] = tessera.counters.snapshot()
     report["graphs"] = [
-        (g.graph_break, g.source.rsplit("/", 1)[-1]) for g in tessera.trace.dynamo_backend.graphs()
+        (g.graph_break, g.source.rsplit("/", 1)[-1]) for g in tessera.dynamo_backend.graphs()
     ]
     report["reports"] = [r.as_dict() if r is not None else None for r in reports]
     print(json.dumps(report))  # noqa: T201  (the parent reads this line)
