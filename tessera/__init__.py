@@ -116,7 +116,7 @@ def __getattr__(name: str) -> Any:
 def _imported(module: str) -> Any:
     """``module``, imported with the cyclic garbage collector paused. Reason: a first
     ``tessera.compile`` imports some fifty modules of ours after torch; their allocations trigger
-    full collections of torch's large heap (70 ms of a 200 ms import, measured on a 2-core CPU),
+    full collections of torch's large heap (a third of the import),
     which find nothing to free (modules live as long as the process), and the first output waits
     for them."""
     import gc

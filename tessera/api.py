@@ -390,8 +390,8 @@ class CompiledModel:
     def _serve_cold(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Callable[..., Any]] | None:
-        """A cold first call: eager's output at once, the traces made (and imported: 50 ms on a
-        2-core CPU) by the trace thread beside it (``_first_beside``). None: the call cannot be
+        """A cold first call: eager's output at once, the traces made (and imported: tens of ms) by the
+        trace thread beside it (``_first_beside``). None: the call cannot be
         traced in another thread; the usual path traces it here."""
         beside = self._beside = self._new_beside(weakly(self._first_beside))
         served = beside.serve(args, kwargs, "the first call", [])

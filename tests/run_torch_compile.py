@@ -64,9 +64,7 @@ def main() -> int:
     import tessera  # after the calls: the counters of the tessera the entry point loaded
 
     report["counters"] = tessera.counters.snapshot()
-    report["graphs"] = [
-        (g.graph_break, g.source.rsplit("/", 1)[-1]) for g in tessera.dynamo_backend.graphs()
-    ]
+    report["graphs"] = [(g.graph_break, g.source.rsplit("/", 1)[-1]) for g in tessera.dynamo_backend.graphs()]
     report["reports"] = [r.as_dict() if r is not None else None for r in reports]
     print(json.dumps(report))  # noqa: T201  (the parent reads this line)
     return 0

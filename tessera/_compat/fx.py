@@ -228,8 +228,8 @@ def graph_source(gm: torch.fx.GraphModule) -> str:
 
     Reason: Dynamo hands backends a ``_LazyGraphModule`` whose ``forward`` is compiled from its
     source on first use, and reading ``.code`` forces that: one ``compile()`` of the whole graph's
-    source, a C call that holds the GIL for its length (20 ms for a 16-layer toy Llama, 1,370
-    lines, on the 2-core CPU), so a call served beside the trace waits for all of it. The source
+    source, a C call that holds the GIL for its length (tens of ms for a 16-layer toy Llama's
+    1,370 lines), so a call served beside the trace waits for all of it. The source
     alone is ``graph.python_code`` (Python, which gives way). Where torch's profiler metadata
     option changes what ``recompile`` generates, or the module is not lazy or already compiled,
     ``.code`` itself is read. Checked on torch 2.11, 2.13.

@@ -230,7 +230,7 @@ def guard_profile_skipped() -> Iterator[None]:
 
     Reason: once a trace's guards are built, Dynamo times one evaluation of them for a metric
     (``guard_latency_us``), and first evicts the CPU caches by writing a buffer larger than them,
-    all in one C++ call that holds the GIL (``profile_guard_manager``; 25 ms on the 2-core CPU).
+    all in one C++ call that holds the GIL (``profile_guard_manager``, tens of ms).
     A call served beside tessera's trace waited for all of it, then ran from caches emptied of the
     model's weights. In tessera's traces the metric reads 0. Checked on torch 2.11, 2.13
     (``torch._dynamo.guards.profile_guard_manager``, a name the module imports from C++).

@@ -46,8 +46,8 @@ class _CompileLock:
         traces one after another (beside.py: the calls kept while one was made) keeps its place
         between them. Counted only while it waited for the lock, the first trace's background
         compile took the lock as that trace let it go, before the next trace asked: BERT's calls
-        of a second length were served eagerly for the 13 s of its first Inductor compile (2-core
-        CPU), and that trace's compiles, once the next trace widened it, were thrown away."""
+        of a second length were served eagerly for the whole of its first Inductor compile, and that
+        trace's compiles, once the next trace widened it, were thrown away."""
         with self._no_trace_waits:
             self._traces += 1
             self._no_trace_waits.notify_all()
@@ -65,7 +65,7 @@ class _CompileLock:
         each compile of a general or specialized artifact only makes a covered call faster: a
         trace that waited behind a model's whole background compile (Python's locks are not
         fair: a thread that releases and takes again keeps it) left BERT's calls of a new length
-        served eagerly for 20 s on the 2-core CPU."""
+        served eagerly for the whole compile."""
         with self._no_trace_waits:
             self._traces += 1
             self._no_trace_waits.notify_all()  # a count others may wait on (the tests do)

@@ -66,8 +66,8 @@ class DirectCode:
     num_inputs: int
     num_outputs: int
     # The wrapper compiled where the piece compiled (marshal), and the bytecode version it is in.
-    # Loading it instead of compiling the wrapper: compile() holds the GIL throughout, 2-8 ms a
-    # piece on the 2-core CPU, a pause for every call served while a process installs a piece
+    # Loading it instead of compiling the wrapper: compile() holds the GIL throughout, some ms a
+    # piece, a pause for every call served while a process installs a piece
     # compiled beside them or loads its pieces warm; the unmarshal takes 0.05 ms.
     code: bytes = b""
     bytecode: str = ""

@@ -316,7 +316,7 @@ def _key_safe(expr: str) -> str:
 def _key_safe_code(expr: str) -> CodeType:
     """``_key_safe(expr)`` compiled, once per expression: a call no trace covers evaluates every
     assumption of every entry (trace_route.covering), hundreds per call, and compiling each from
-    its text every time was most of such a call's cost (BERT, 2-core CPU: 4-7 ms a call)."""
+    its text every time was most of such a call's cost (a tiny BERT's)."""
     return compile(_key_safe(expr), "<tessera assumption>", "eval")
 
 

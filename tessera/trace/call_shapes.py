@@ -115,9 +115,9 @@ def _value_key(value: Any) -> object:
 class UncoveredCalls(Generic[E]):
     """The calls no entry covered, while a trace is in flight: a later call that looks the same
     (``call_key``) is served eagerly beside the trace without the search through every entry's
-    assumptions first (trace_route.covering: tiny BERT, 2-core CPU, 0.2 ms of a 1.6 ms eager call,
-    with the check and the rest 0.6 ms, so a call slow for the machine's reasons went past 2x
-    eager's). Valid for one set of entries: any change (a trace landed) forgets them all.
+    assumptions first (trace_route.covering: an eighth of a tiny BERT's eager call, so that a call
+    slow for other reasons went past 2x eager's). Valid for one set of entries: any change (a trace
+    landed) forgets them all.
 
     A call wrongly taken for uncovered (one that differs from a remembered one below the key) is
     served eagerly, as a call no entry covers is: eager's output, a little slower than its

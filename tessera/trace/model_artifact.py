@@ -7,8 +7,8 @@ the piece artifacts stay content-addressed in the entry. A pointer file per mode
 Why our own portable bytecode and not torch's AOT serialization (``aot_compile_fullgraph`` with a
 ``SerializableCallable`` backend, ``torch.compiler.load_compiled_function``; read on torch 2.11
 and 2.13): loading through it imports ``torch._dynamo`` and patches ``torch._inductor.config``
-(1.08 s in a fresh process after ``import torch`` on the 2-core benchmark machine, against
-~45 ms for our whole warm start of the toy Llama, ``import tessera`` to first output), and it
+(about a second in a fresh process after ``import torch``, some twenty times tessera's whole warm
+start of the toy Llama; ``benchmarks/startup.py``), and it
 rebuilds a guard manager from the saved guard state, which tessera drops by design. It also
 holds one full-graph frame, where a model's artifact here holds every frame the model runs
 (prefill, ``StaticCache`` decode, sliding-window variants) and shares identical pieces between
