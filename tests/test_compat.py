@@ -656,3 +656,72 @@ def test_what_a_compile_assumes_of_the_sizes_after_the_trace_is_checked_per_call
     assert bool(y.shape[0] > 3)
     check = _compat.guard_check(_compat.compile_assumptions([y], start) or "True")
     assert check((torch.randn(4, 4),)) and not check((torch.randn(3, 3),))
+
+
+_PATCHES_SCRIPT = """
+import json, os, sys
+import torch
+import torch.fx._symbolic_trace as fx
+import tessera
+from tessera._compat import patches
+
+def targets():
+    import torch._dynamo.guards as guards, torch._dynamo.utils as utils
+    from torch._dynamo.symbolic_convert import InliningInstructionTranslator as inlining
+    return {
+        "Tracer.trace": fx.Tracer.__dict__.get("trace"),
+        "is_fx_tracing": fx.is_fx_tracing.__code__,
+        "patch_method": getattr(getattr(fx, "_Patcher", None), "patch_method", None),
+        "is_compiling": torch.compiler.is_compiling.__code__,
+        "session": getattr(torch.compiler, "_compile_session_context", None),
+        "profile_guard_manager": getattr(guards, "profile_guard_manager", None),
+        "preserve_rng_state": utils.preserve_rng_state,
+        "get_globals": inlining.__dict__.get("get_globals_source_and_value"),
+    }
+
+before = targets()
+torch.set_grad_enabled(False)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+x = torch.randn(3, 4)
+compiled = tessera.compile(model, backend="eager", background_compile=False)
+torch.testing.assert_close(compiled(x), model(x))
+with tessera._compat.rng_left_alone():
+    pass
+used = patches.installed()
+changed = sorted(k for k, v in targets().items() if v is not before[k])
+patches.remove_all()
+restored = sorted(k for k, v in targets().items() if v is not before[k])
+os.environ[patches.OFF_ENV] = "1"  # the cases that need no patch, with none installed
+plain = torch.nn.Linear(4, 2)
+again = tessera.compile(plain, backend="eager", background_compile=False)
+y = torch.randn(5, 4)
+torch.testing.assert_close(again(y), plain(y))
+print(json.dumps({"used": used, "changed": changed, "left": restored,
+                  "after": patches.installed(), "registry": sorted(patches.REGISTRY)}))
+"""
+
+
+def test_every_patch_of_torch_is_in_the_registry_removable_and_the_rest_runs_without():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tessera._compat import patches
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _PATCHES_SCRIPT], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["used"], "a compile installs the patches this torch needs"
+    assert set(found["used"]) <= set(found["registry"]) == set(patches.REGISTRY)
+    assert found["changed"], "what a patch replaces is seen replaced"
+    assert found["left"] == [], f"left patched after remove_all: {found['left']}"
+    assert found["after"] == [], "with the switch off, nothing is installed again"
+    # Each patch says why, and the torch releases it is for; the docs list every one.
+    process = (root / "docs" / "process.md").read_text()
+    for entry in patches.REGISTRY.values():
+        assert entry.why and entry.torch, entry.name
+        assert f"`{entry.name}`" in process, f"docs/process.md does not list the patch {entry.name}"

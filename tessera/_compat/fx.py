@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from tessera._compat.patches import Undo, apply, patch
+
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,13 @@ def _tracing_in_this_thread() -> bool:
     return getattr(_FX_TRACING_HERE, "depth", 0) > 0
 
 
-@functools.cache
 def isolate_fx_tracing_flag() -> None:
+    """Install ``fx_tracing_flag`` (below) where this torch needs it. Checked on torch 2.11, 2.13."""
+    apply("fx_tracing_flag")
+
+
+@patch("fx_tracing_flag", "torch.fx's tracing flag answers per thread", "2.11-2.13")
+def _fx_tracing_flag() -> Undo | None:
     """Make torch.fx's "an FX trace is running" flag answer for the calling thread only.
 
     Reason: on torch 2.11-2.13 ``torch.fx._symbolic_trace._is_fx_tracing_flag`` is one process-wide
@@ -47,11 +54,12 @@ def isolate_fx_tracing_flag() -> None:
     """
     module = sys.modules.get("torch.fx._symbolic_trace")
     if module is None or not hasattr(module, "_is_fx_tracing_flag") or hasattr(module, "_is_fx_tracing_tls"):
-        return
+        return None
     tracer = module.Tracer
     original = tracer.trace
     if getattr(original, "_tessera_counts_depth", False):
-        return
+        return None
+    codes = (module.is_fx_tracing.__code__, module.is_fx_symbolic_tracing.__code__)
 
     @functools.wraps(original)
     def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -84,9 +92,21 @@ def isolate_fx_tracing_flag() -> None:
     module.is_fx_tracing.__code__ = is_fx_tracing.__code__
     module.is_fx_symbolic_tracing.__code__ = is_fx_symbolic_tracing.__code__
 
+    def undo() -> None:
+        tracer.trace = original
+        module.is_fx_tracing.__code__, module.is_fx_symbolic_tracing.__code__ = codes
+        module.__dict__.pop("_tessera_tracing_in_this_thread", None)
 
-@functools.cache
+    return undo
+
+
 def isolate_fx_patches() -> None:
+    """Install ``fx_patches`` (below) where this torch needs it. Checked on torch 2.13."""
+    apply("fx_patches")
+
+
+@patch("fx_patches", "torch.fx's patches of nn.Module act in the tracing thread only", "2.11-2.15")
+def _fx_patches() -> Undo | None:
     """Make the methods torch.fx patches on classes while it traces act in the tracing thread only.
 
     Reason: for the length of a trace, ``Tracer.trace`` replaces ``torch.nn.Module.__call__`` and
@@ -115,7 +135,7 @@ def isolate_fx_patches() -> None:
     patcher = getattr(module, "_Patcher", None)
     original = getattr(patcher, "patch_method", None)
     if original is None or getattr(original, "_tessera_this_thread_only", False):
-        return
+        return None
 
     @functools.wraps(original)
     def patch_method(
@@ -125,6 +145,11 @@ def isolate_fx_patches() -> None:
 
     patch_method._tessera_this_thread_only = True  # type: ignore[attr-defined]
     patcher.patch_method = patch_method  # type: ignore[union-attr]
+
+    def undo() -> None:
+        patcher.patch_method = original  # type: ignore[union-attr]
+
+    return undo
 
 
 def _in_this_thread_only(patched: Callable[..., Any], previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,8 +205,13 @@ def _compiling_in_this_thread() -> bool:
     return getattr(_COMPILING_HERE, "depth", 0) > 0
 
 
-@functools.cache
 def isolate_compiling_flag() -> None:
+    """Install ``compiling_flag`` (below) where this torch needs it. Checked on torch 2.13."""
+    apply("compiling_flag")
+
+
+@patch("compiling_flag", "torch.compiler.is_compiling answers per thread", "2.13")
+def _compiling_flag() -> Undo | None:
     """Make ``torch.compiler.is_compiling()`` answer for the calling thread only.
 
     Reason: torch 2.13 holds the process-wide ``torch.compiler._is_compiling_flag`` True for the
@@ -197,7 +227,8 @@ def isolate_compiling_flag() -> None:
     module = sys.modules.get("torch.compiler")
     original = getattr(module, "_compile_session_context", None)
     if module is None or original is None or not hasattr(module, "_is_compiling_flag"):
-        return
+        return None
+    code = module.is_compiling.__code__
 
     @contextlib.contextmanager
     def session() -> Iterator[None]:
@@ -221,6 +252,13 @@ def isolate_compiling_flag() -> None:
         )
 
     module.is_compiling.__code__ = is_compiling.__code__
+
+    def undo() -> None:
+        setattr(module, "_compile_session_context", original)  # noqa: B010  (as above)
+        module.is_compiling.__code__ = code
+        module.__dict__.pop("_tessera_compiling_in_this_thread", None)
+
+    return undo
 
 
 def graph_source(gm: torch.fx.GraphModule) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tessera._compat.bytecode import module_for_bytecode
+from tessera._compat.patches import Undo, apply, patch
 from tessera._compat.tensors import is_constant_symint, sym_expr
 
 log = logging.getLogger(__name__)
@@ -253,8 +254,13 @@ def _flag_on(flag: threading.local) -> Iterator[None]:
         flag.on = before
 
 
-@functools.cache
 def _skip_guard_profile() -> None:
+    """Install the patch below where this torch needs it. Checked on torch 2.11, 2.13."""
+    apply("guard_profile")
+
+
+@patch("guard_profile", "Dynamo's guard timing skipped in tessera's traces", "2.11-2.15")
+def _guard_profile() -> Undo | None:
     """Put a stand-in for ``profile_guard_manager`` into Dynamo's guards module: the original
     everywhere but in a thread inside ``guard_profile_skipped``. Checked on torch 2.11, 2.13."""
     import torch._dynamo.guards  # noqa: F401  (the module must be loaded to be patched)
@@ -262,7 +268,7 @@ def _skip_guard_profile() -> None:
     module = sys.modules["torch._dynamo.guards"]
     original = getattr(module, "profile_guard_manager", None)
     if not callable(original):  # another torch: nothing to skip
-        return
+        return None
 
     @functools.wraps(original)
     def profile_guard_manager(*args: Any, **kwargs: Any) -> Any:
@@ -271,6 +277,7 @@ def _skip_guard_profile() -> None:
         return original(*args, **kwargs)
 
     setattr(module, "profile_guard_manager", profile_guard_manager)  # noqa: B010  (a name only some torch has)
+    return lambda: setattr(module, "profile_guard_manager", original)
 
 
 # Checked on torch 2.13 (2.15: not yet): tessera's own per-thread flag, read by the stand-in below.
@@ -301,8 +308,13 @@ def _not_its_module(namespace: dict[str, Any]) -> bool:
     return module is None or getattr(module, "__dict__", None) is not namespace
 
 
-@functools.cache
 def _inlined_globals_by_identity() -> None:
+    """Install the patch below where this torch needs it. Checked on torch 2.11, 2.13."""
+    apply("inlined_globals")
+
+
+@patch("inlined_globals", "an inlined function's globals read as they are, in tessera's traces", "2.13-2.15")
+def _inlined_globals() -> Undo | None:
     """A stand-in for Dynamo's ``get_globals_source_and_value`` of an inlined function: where the
     function's globals are not its module's dict, they are read as the namespace they are (the
     branch Dynamo takes for a namedtuple's made-up scope) instead of through the module of that
@@ -321,10 +333,11 @@ def _inlined_globals_by_identity() -> None:
         from torch._dynamo.symbolic_convert import InliningInstructionTranslator
         from torch._dynamo.variables.builder import VariableBuilder
     except ImportError:
-        return
+        return None
     original = getattr(InliningInstructionTranslator, "get_globals_source_and_value", None)
     if original is None:
-        return
+        return None
+    own = "get_globals_source_and_value" in vars(InliningInstructionTranslator)
 
     @functools.wraps(original)
     def get_globals_source_and_value(self: Any, name: str) -> Any:
@@ -335,6 +348,14 @@ def _inlined_globals_by_identity() -> None:
         return namespace, VariableBuilder(self, scope)(namespace), DictGetItemSource(scope, name)
 
     InliningInstructionTranslator.get_globals_source_and_value = get_globals_source_and_value  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if own:
+            InliningInstructionTranslator.get_globals_source_and_value = original  # type: ignore[method-assign]
+        else:  # the base class's, as before
+            del InliningInstructionTranslator.get_globals_source_and_value
+
+    return undo
 
 
 def guard_build_abandoned() -> None:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tessera._compat.patches import Undo, apply, patch
+
 log = logging.getLogger(__name__)
 
 
@@ -358,8 +360,13 @@ def leave_rng_alone_where_loaded() -> None:
         _leave_rng_alone()
 
 
-@functools.cache
 def _leave_rng_alone() -> None:
+    """Install the patch below where this torch needs it. Checked on torch 2.11, 2.13."""
+    apply("rng_left_alone")
+
+
+@patch("rng_left_alone", "compiles in tessera's threads leave the global generator alone", "2.11-2.15")
+def _rng_left_alone() -> Undo | None:
     """Put a stand-in for ``preserve_rng_state`` where compiles read it: the original everywhere
     but in a thread inside ``rng_left_alone``. Checked on torch 2.13 (2.15: not yet); another
     torch without it: nothing done."""
@@ -367,7 +374,7 @@ def _leave_rng_alone() -> None:
 
     original = getattr(dynamo_utils, "preserve_rng_state", None)
     if original is None:
-        return
+        return None
 
     @functools.wraps(original)
     @contextlib.contextmanager
@@ -384,3 +391,14 @@ def _leave_rng_alone() -> None:
         module = sys.modules.get(name)
         if getattr(module, "preserve_rng_state", None) is original:
             setattr(module, "preserve_rng_state", preserve_rng_state)  # noqa: B010
+
+    restore: Any = original  # not None (checked above), for the closure
+
+    def undo() -> None:
+        dynamo_utils.preserve_rng_state = restore
+        for name in _PRESERVE_RNG_USERS:
+            module = sys.modules.get(name)
+            if getattr(module, "preserve_rng_state", None) is preserve_rng_state:
+                setattr(module, "preserve_rng_state", original)  # noqa: B010
+
+    return undo
