@@ -195,3 +195,19 @@ def test_a_call_outside_what_the_compile_assumed_runs_the_piece_as_traced_quietl
     assert traced_calls == [(3, 15)]
     assert runner.guarded() and tessera.counters.snapshot()["outside_assumptions"] == 1
     assert dict(runner.served()) == {"general": 1}
+
+
+@pytest.mark.inductor
+def test_a_compile_whose_assumptions_cannot_be_written_never_serves_its_code(monkeypatch, tmp_path):
+    def unwritable(values, baseline):
+        raise ValueError("a symbol no input holds")
+
+    monkeypatch.setattr(tessera._compat, "compile_assumptions", unwritable)
+    torch._dynamo.reset()
+    tessera.counters.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()).requires_grad_(False)
+    compiled = tessera.compile(model, background_compile=False, cache_dir=str(tmp_path))
+    for n in (3, 5, 7):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert tessera.counters.snapshot()["outside_assumptions"] >= 3  # every call ran as traced

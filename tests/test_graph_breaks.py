@@ -120,20 +120,19 @@ def test_after_wait_ready_a_call_of_another_size_compiles_nothing_on_the_guarded
     from torch._dynamo.utils import counters as dynamo_counters
 
     torch._dynamo.reset()
-    model = Checked().eval()
+    model = Checked().eval().requires_grad_(False)  # an inference model, called with grad enabled
     compiled = tessera.compile(model, backend=backend, cache_dir=str(tmp_path))
-    with torch.no_grad():
-        first = torch.randn(4, 16)
-        with pytest.warns(tessera.TesseraWarning, match="graph breaks"):
-            out = compiled(first)
-        torch.testing.assert_close(out, model(first))
-        assert compiled.wait_ready(60)
-        frames, graphs = dict(dynamo_counters["frames"]), len(tessera.trace.receiver.graphs())
-        for n in (3, 5, 9, 17):
-            x = torch.randn(n, 16)
-            out = compiled(x)
-            torch.testing.assert_close(out, model(x))
-            # The frame resumed after the break was traced with the batch dynamic, as the first.
-            assert dict(dynamo_counters["frames"]) == frames, n
-            assert len(tessera.trace.receiver.graphs()) == graphs, n
-            assert not any(name.startswith("_dynamo") for name in out.__dict__)  # no mark left
+    first = torch.randn(16, 4).t()  # a layout of the caller's: every call below has it too
+    with pytest.warns(tessera.TesseraWarning, match="graph breaks"):
+        out = compiled(first)
+    torch.testing.assert_close(out, model(first))
+    assert compiled.wait_ready(60)
+    frames, graphs = dict(dynamo_counters["frames"]), len(tessera.trace.receiver.graphs())
+    for n in (3, 5, 9, 17):
+        x = torch.randn(16, n).t()
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x))
+        # The frame resumed after the break was traced with the batch dynamic, as the first.
+        assert dict(dynamo_counters["frames"]) == frames, n
+        assert len(tessera.trace.receiver.graphs()) == graphs, n
+        assert not any(name.startswith("_dynamo") for name in out.__dict__)  # no mark left

@@ -17,13 +17,13 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _imports(name: str, path: Path, modules: dict[str, Path], tree: ast.AST | None = None) -> set[str]:
     """Every tessera module ``name`` imports, at import time or in a function, with the packages
     each import runs (importing ``a.b.c`` runs ``a/b/__init__``); the root package is left out,
-    since every module runs it."""
+    since every module runs it. ``tree``: the module's syntax tree, where the caller pruned it."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree if tree is not None else ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -158,29 +158,8 @@ def _run_time_graph() -> dict[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 node.body = []
-        stripped = path.with_name(path.name)  # same package for relative imports
-        graph[name] = _imports_of_tree(name, stripped, tree, modules)
+        graph[name] = _imports(name, path, modules, tree)
     return graph
-
-
-def _imports_of_tree(name: str, path: Path, tree: ast.AST, modules: dict[str, Path]) -> set[str]:
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    targets: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            targets.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
-            targets |= submodules
-            if len(submodules) < len(node.names):
-                targets.add(module)
-    expanded = set()
-    for target in targets:
-        parts = target.split(".")
-        expanded.update(".".join(parts[:k]) for k in range(2, len(parts) + 1))
-    return {t for t in expanded if t in modules and t != name and not name.startswith(t + ".")}
 
 
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:

@@ -153,9 +153,12 @@ class InductorCompiler:
         try:
             guards = _compat.compile_assumptions(example_inputs, baseline) or ""
         except ValueError as e:
-            # Code whose assumptions cannot be checked per call must not serve: the piece runs
-            # as traced for this size (a correct result, eager's speed).
-            raise CompilerError(f"what the compile assumed of the sizes cannot be checked ({e})") from e
+            # Code whose assumptions cannot be checked per call must never serve: an assumption
+            # that never holds, so every call runs the piece as traced (correct, eager's speed).
+            log.warning(
+                "piece %s: what its compile assumed cannot be checked (%s); it runs as traced", key, e
+            )
+            guards = "False"
         standard = _standard_bytes(artifact) if self.cache_dir is not None else b""
         piece = piece_file.package(artifact, graph, example_inputs, standard, guards)
         # The cold process runs what a warm one will load: the direct code where there is one.
